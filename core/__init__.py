@@ -1,0 +1,1 @@
+"""Pure building blocks: pytrees, layers, MoE pieces, init, optimizers, transforms."""

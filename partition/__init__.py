@@ -1,0 +1,1 @@
+"""The partitioner: mesh, specs, trace, propagate, lower, compile, reports."""
