@@ -11,9 +11,25 @@ into per-rank programs for a named device mesh.
 
 __version__ = "0.1.0"
 
-from shardfn.partition.spec import P, AUTO  # noqa: E402
-from shardfn.partition.mesh import Mesh  # noqa: E402
-from shardfn.partition.constrain import constrain, local_map  # noqa: E402
-from shardfn.partition.api import jit  # noqa: E402
+_EXPORTS = {
+    "P": "shardfn.partition.spec",
+    "AUTO": "shardfn.partition.spec",
+    "Mesh": "shardfn.partition.mesh",
+    "constrain": "shardfn.partition.constrain",
+    "local_map": "shardfn.partition.constrain",
+    "pipeline_split": "shardfn.partition.constrain",
+    "jit": "shardfn.partition.api",
+}
 
-__all__ = ["P", "AUTO", "Mesh", "constrain", "local_map", "jit", "__version__"]
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name):
+    # Imported on first use, so `shardfn params` and the core layers load without the partitioner.
+    if name in _EXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardfn' has no attribute {name!r}")
