@@ -1,0 +1,194 @@
+"""``sf.jit``: trace, annotate, propagate, lower and compile one function for a mesh.
+
+    step = sf.jit(train_step, mesh=mesh, in_specs=(param_specs, opt_specs, P("dp")),
+                  out_specs=(param_specs, opt_specs, P()), fsdp_argnums=(0,))
+    lowered = step.lower(params, opt_state, batch)
+    print(lowered.as_text()); lowered.comm_report(); lowered.memory_report()
+    params, opt_state, metrics = step(params, opt_state, batch)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardfn.partition import report
+from shardfn.partition.lower import Lowered, lower
+from shardfn.partition.mesh import Mesh
+from shardfn.partition.spec import AUTO, P, broadcast_specs, check_divisible, to_placements
+from shardfn.partition.trace import Traced, flatten_args, trace
+
+
+class LoweredStep:
+    """A function traced and partitioned for one mesh and one input signature."""
+
+    def __init__(self, traced: Traced, lowered: Lowered, mesh: Mesh, in_specs, out_specs, arg_roles):
+        self.traced = traced
+        self.lowered = lowered
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.arg_roles = arg_roles
+        self._compiled = None
+
+    @property
+    def graph_module(self) -> torch.fx.GraphModule:
+        """The per-rank program (local tensors in and out, functional collectives inside)."""
+        return self.lowered.graph_module
+
+    def as_text(self) -> str:
+        """The global graph with each value's placements and each inserted collective."""
+        return report.as_text(self.traced.graph_module, self.graph_module, self.mesh, self.traced.in_paths)
+
+    def collectives(self) -> list[dict]:
+        """Every collective in program order (op, axis, bytes, shape, source node)."""
+        return report.collectives(self.graph_module, self.mesh)
+
+    def comm_report(self) -> list[dict]:
+        """Rows ``{op, axis, bytes, count}`` per step per rank."""
+        return report.comm_report(self.graph_module, self.mesh)
+
+    def memory_report(self) -> dict:
+        """Bytes per rank: each named argument group (params, opt_state, ...), ``grads`` (the
+        params' size under their specs, when an argument is named ``params``), and
+        ``activations`` (peak bytes of the values the step creates)."""
+        out: dict[str, int] = {}
+        for meta, role in zip(self.lowered.local_in_meta, self.arg_roles):
+            out[role] = out.get(role, 0) + meta.numel() * meta.element_size()
+        if "params" in out:
+            out["grads"] = out["params"]
+        out["activations"] = report.peak_temporary_bytes(self.graph_module)
+        out["total"] = sum(v for k, v in out.items() if k != "total")
+        return out
+
+    def compile(self, backend: str | None = "inductor") -> Callable:
+        """The per-rank program compiled with torch.compile (``backend=None``: run it as is)."""
+        if self._compiled is None or self._compiled[0] != backend:
+            gm = self.graph_module
+            fn = gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
+            self._compiled = (backend, fn)
+        return self._compiled[1]
+
+    def __call__(self, *args, backend: str | None = "inductor"):
+        leaves, _, _ = flatten_args(args)
+        local = [
+            _to_local(x, self.mesh, pl, path)
+            for x, pl, path in zip(leaves, self.lowered.in_placements, self.traced.in_paths)
+        ]
+        outs = self.compile(backend)(*local)
+        dmesh = self.mesh.device_mesh
+        wrapped = [
+            DTensor.from_local(o, dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride())
+            for o, pl, meta in zip(outs, self.lowered.out_placements, self.traced.out_meta)
+        ]
+        return optree.tree_unflatten(self.traced.out_treedef, wrapped)
+
+
+def _to_local(x: torch.Tensor, mesh: Mesh, placements, path: str) -> torch.Tensor:
+    if isinstance(x, DTensor):
+        if tuple(x.placements) != tuple(placements):
+            x = x.redistribute(mesh.device_mesh, placements)
+        return x.to_local()
+    # A global tensor every rank holds: take this rank's shard, no communication.
+    return distribute_tensor(x.detach(), mesh.device_mesh, placements, src_data_rank=None).to_local()
+
+
+class Jitted:
+    """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
+
+    def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names):
+        self.fn = fn
+        self.mesh = mesh
+        self.in_specs = in_specs
+        self.out_specs = out_specs
+        self.fsdp_argnums = tuple(fsdp_argnums)
+        self.fsdp_axes = tuple(fsdp_axes)
+        self.backend = backend
+        self.arg_names = arg_names
+        self._cache: dict[Any, LoweredStep] = {}
+
+    def lower(self, *args) -> LoweredStep:
+        """Trace + annotate + propagate + insert collectives (no compile yet)."""
+        key = _signature(args)
+        if key in self._cache:
+            return self._cache[key]
+        if self.in_specs is AUTO:
+            raise NotImplementedError("in_specs=sf.AUTO needs the auto-sharding solver (shardfn.partition.auto)")
+        names = self.mesh.names
+        traced = trace(self.fn, args)
+        in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
+        in_placements = []
+        for spec, meta, path in zip(in_specs, traced.in_meta, traced.in_paths):
+            where = f"input {_pretty(path, self.arg_names)}"
+            pl = to_placements(spec, meta.ndim, names, where=where)
+            check_divisible(meta.shape, spec, self.mesh.axes, where=where)
+            in_placements.append(pl)
+        out_tree = optree.tree_unflatten(traced.out_treedef, traced.out_meta)
+        out_specs = broadcast_specs(self.out_specs, out_tree, what="out_specs")
+        out_placements = []
+        for i, (spec, meta) in enumerate(zip(out_specs, traced.out_meta)):
+            where = f"output {i} {tuple(meta.shape)}"
+            out_placements.append(to_placements(spec, meta.ndim, names, where=where))
+            check_divisible(meta.shape, spec, self.mesh.axes, where=where)
+        arg_of_leaf = _arg_index_of_leaves(args)
+        stored = [i in self.fsdp_argnums for i in arg_of_leaf]
+        roles = [self.arg_names[i] if self.arg_names else f"arg{i}" for i in arg_of_leaf]
+        lowered = lower(traced, self.mesh, in_placements, out_placements, stored=stored, fsdp_axes=self.fsdp_axes)
+        step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles)
+        self._cache[key] = step
+        return step
+
+    def __call__(self, *args):
+        return self.lower(*args)(*args, backend=self.backend)
+
+
+def jit(
+    fn: Callable,
+    mesh: Mesh,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    *,
+    fsdp_argnums: Sequence[int] = (),
+    fsdp_axes: Sequence[str] = ("fsdp",),
+    backend: str | None = "inductor",
+    arg_names: Sequence[str] | None = None,
+) -> Jitted:
+    """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
+
+    Args:
+        fn: the function; it may take gradients (``torch.func``) and update parameters inside.
+        mesh: a ``shardfn.Mesh``.
+        in_specs: a pytree of ``P`` that is a prefix of the argument tuple (None: replicated).
+        out_specs: a pytree of ``P`` that is a prefix of the outputs (None: replicated).
+        fsdp_argnums: arguments stored sharded and all-gathered over ``fsdp_axes`` at each use
+            (ZeRO-3); typically ``(0,)`` for the parameters of a train step.
+        backend: the torch.compile backend for the per-rank program; None runs it uncompiled.
+        arg_names: names of the arguments, used by reports (``("params", "opt_state", "batch")``).
+
+    Example:
+        step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
+        loss = step(w, x)
+    """
+    return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names)
+
+
+def _signature(args) -> tuple:
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)
+    return (treedef, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
+
+
+def _arg_index_of_leaves(args: tuple) -> list[int]:
+    out = []
+    for i, a in enumerate(args):
+        out.extend([i] * len(optree.tree_leaves(a, none_is_leaf=False)))
+    return out
+
+
+def _pretty(path: str, arg_names) -> str:
+    head, _, rest = path.partition(".")
+    if arg_names and head.isdigit() and int(head) < len(arg_names):
+        head = arg_names[int(head)]
+    return f"{head}.{rest}" if rest else head

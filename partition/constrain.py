@@ -1,0 +1,106 @@
+"""Markers that user code places inside a traced function.
+
+``constrain(x, P(...))`` is a strict sharding constraint (JAX's ``with_sharding_constraint``):
+propagation redistributes ``x`` to exactly that spec, and its cotangent to the same spec.
+``pipeline_split(x)`` marks a pipeline stage boundary. Outside ``sf.jit`` tracing both are the
+identity, so the same code runs on one device unchanged.
+
+    h = sf.constrain(h, P("dp", None, "tp"))
+    h = sf.pipeline_split(h)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+from typing import Any
+
+import torch
+
+from shardfn.partition.spec import P
+
+_state = threading.local()
+
+
+def tracing() -> bool:
+    """True while ``sf.jit`` traces a function (markers become graph nodes)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def tracing_scope():
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def encode_spec(spec: P) -> str:
+    return json.dumps([list(e) if isinstance(e, tuple) else e for e in spec])
+
+
+def decode_spec(text: str) -> P:
+    return P(*[tuple(e) if isinstance(e, list) else e for e in json.loads(text)])
+
+
+@torch.library.custom_op("shardfn::constrain", mutates_args=())
+def _constrain(x: torch.Tensor, spec: str) -> torch.Tensor:
+    return x.clone()
+
+
+@_constrain.register_fake
+def _(x, spec):
+    return torch.empty_like(x)
+
+
+def _constrain_backward(ctx, grad):
+    return torch.ops.shardfn.constrain(grad, ctx.spec), None
+
+
+def _constrain_setup(ctx, inputs, output):
+    ctx.spec = inputs[1]
+
+
+_constrain.register_autograd(_constrain_backward, setup_context=_constrain_setup)
+
+
+def constrain(x: Any, spec: Any) -> Any:
+    """Constrain the sharding of ``x`` (a tensor or pytree of tensors) to ``spec``.
+
+    ``spec`` is a ``P`` or a pytree of ``P`` matching ``x``. Identity outside ``sf.jit``.
+
+        h = constrain(h, P("dp", None, "tp"))
+    """
+    from shardfn.core.pytree import tree_map
+    from shardfn.partition.spec import broadcast_specs
+    import optree
+
+    if not tracing():
+        return x
+    leaves, treedef = optree.tree_flatten(x, none_is_leaf=False)
+    specs = broadcast_specs(spec, x, what="constrain spec")
+    out = [torch.ops.shardfn.constrain(leaf, encode_spec(s)) for leaf, s in zip(leaves, specs)]
+    return optree.tree_unflatten(treedef, out)
+
+
+@torch.library.custom_op("shardfn::pipeline_split", mutates_args=())
+def _pipeline_split(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_pipeline_split.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+_pipeline_split.register_autograd(lambda ctx, grad: torch.ops.shardfn.pipeline_split(grad))
+
+
+def pipeline_split(x: torch.Tensor) -> torch.Tensor:
+    """Mark a pipeline stage boundary after ``x``. Identity outside ``sf.jit``.
+
+        h = pipeline_split(h)
+    """
+    return torch.ops.shardfn.pipeline_split(x) if tracing() else x

@@ -1,0 +1,89 @@
+"""Lower: the per-rank program, with the collectives the placements imply.
+
+Propagation runs under ``make_fx`` on local (per-rank) fake tensors: DTensor desugars every op
+into local aten ops plus functional collectives (``_c10d_functional.all_reduce`` etc.), which is
+exactly the program one rank runs. Inputs come in as local shards in their ``in_specs``; outputs
+leave as local shards in their ``out_specs``.
+
+    local = lower(traced, mesh, in_placements, out_placements, stored=[...], fsdp_axes=("fsdp",))
+    print(local.graph_module.graph)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardfn.partition import _torch_private as private
+from shardfn.partition.propagate import ShardingInterpreter, ShardingError
+from shardfn.partition.trace import Traced
+
+COLLECTIVES = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+}
+
+
+@dataclass
+class Lowered:
+    """The per-rank program and what it needs to be called."""
+
+    graph_module: torch.fx.GraphModule   # local tensors in, local tensors out
+    in_placements: list                  # per input leaf, DTensor placements
+    out_placements: list                 # per output leaf
+    local_in_meta: list                  # fake local inputs (shape/dtype per rank)
+
+
+def local_inputs(traced: Traced, mesh, in_placements) -> list[torch.Tensor]:
+    """Empty local tensors with each input's per-rank shape (for tracing only)."""
+    return [
+        torch.empty(private.local_shape(meta.shape, mesh.device_mesh, pl), dtype=meta.dtype)
+        for meta, pl in zip(traced.in_meta, in_placements)
+    ]
+
+
+def lower(
+    traced: Traced,
+    mesh,
+    in_placements: Sequence,
+    out_placements: Sequence,
+    *,
+    stored: Sequence[bool] = (),
+    fsdp_axes: Sequence[str] = (),
+) -> Lowered:
+    """Run propagation under make_fx on local fake inputs and return the per-rank graph."""
+    stored = list(stored) or [False] * len(traced.in_meta)
+    interp = ShardingInterpreter(traced.graph_module, mesh, stored, fsdp_axes)
+    dmesh = mesh.device_mesh
+
+    def local_fn(*local):
+        dts = [
+            DTensor.from_local(t, dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride())
+            for t, pl, meta in zip(local, in_placements, traced.in_meta)
+        ]
+        outs = interp.run(*dts)
+        result = []
+        for i, (o, pl) in enumerate(zip(outs, out_placements)):
+            if not isinstance(o, DTensor):
+                raise ShardingError(f"output {i} is not a tensor produced by the graph")
+            result.append(o.redistribute(dmesh, pl).to_local())
+        return result
+
+    example = local_inputs(traced, mesh, in_placements)
+    gm = make_fx(local_fn, tracing_mode="fake")(*example)
+    return Lowered(gm, list(in_placements), list(out_placements), example)
+
+
+def collective_nodes(gm: torch.fx.GraphModule):
+    """``(node, kind)`` for every functional collective in a local graph."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional":
+            kind = COLLECTIVES.get(n.target._opname)
+            if kind is not None:
+                yield n, kind

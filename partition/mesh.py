@@ -1,0 +1,122 @@
+"""``Mesh``: named device-mesh axes over a real (or fake, for planning) process group.
+
+    mesh = Mesh({"dp": 2, "tp": 2})          # needs 4 ranks: torchrun, or `shardfn train --nproc 4`
+    plan = Mesh({"ep": 64, "pp": 16}, fake=True)   # one process, no collectives run
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+_LAUNCH_HINT = (
+    "launch one process per rank, e.g. `torchrun --nproc-per-node N ...` or "
+    "`shardfn train --nproc N ...`, or pass fake=True to plan without running collectives"
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Mesh:
+    """A named device mesh. ``axes`` maps axis name -> size, major to minor.
+
+    Axes of size 1 are kept (so specs naming them stay valid) and cost nothing.
+
+    Args:
+        axes: ordered mapping of axis name to size, e.g. ``{"dp": 2, "tp": 2}``.
+        fake: build the mesh on torch's fake process group (planning only; nothing is sent).
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (nccl); default: cuda when available.
+    """
+
+    axes: dict
+    fake: bool = False
+    device: str | None = None
+
+    def __post_init__(self):
+        axes = dict(self.axes)
+        if not axes:
+            raise ValueError("Mesh needs at least one axis, e.g. Mesh({'dp': 1})")
+        for name, size in axes.items():
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"mesh axis names are identifiers; got {name!r}")
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh axis {name!r} has size {size!r}; sizes are positive integers")
+        object.__setattr__(self, "axes", axes)
+        device = self.device or ("cuda" if torch.cuda.is_available() and not self.fake else "cpu")
+        object.__setattr__(self, "device", device)
+        _ensure_process_group(self.size, fake=self.fake, device=device)
+        world = dist.get_world_size()
+        if world != self.size:
+            raise ValueError(
+                f"the mesh {axes} has {self.size} devices but the world size is {world}; "
+                f"make the product of the axis sizes equal {world}, or launch {self.size} processes"
+            )
+        if device == "cuda":
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+        dm = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        object.__setattr__(self, "device_mesh", dm)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.axes.values())
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.axes.values():
+            n *= s
+        return n
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def axis_of_group(self, group_name: str) -> str:
+        """The mesh axis whose process group has this name (as functional collectives record it)."""
+        for name in self.names:
+            if self.device_mesh.get_group(name).group_name == group_name:
+                return name
+        raise KeyError(f"no mesh axis owns process group {group_name!r}")
+
+    def coordinate(self) -> dict[str, int]:
+        """This rank's coordinate along each axis."""
+        coord = self.device_mesh.get_coordinate()
+        return dict(zip(self.names, coord))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v}" for k, v in self.axes.items())
+        return f"Mesh({inner}{', fake' if self.fake else ''})"
+
+
+def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
+    if dist.is_initialized():
+        if fake and dist.get_backend() == "fake" and dist.get_world_size() != size:
+            dist.destroy_process_group()  # planning another world size in the same process
+        else:
+            return
+    if fake:
+        from shardfn.partition._torch_private import fake_store
+
+        dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
+        return
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend)
+        return
+    if size == 1:
+        # A one-device mesh needs no launcher: a private single-rank gloo group.
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        return
+    raise RuntimeError(
+        f"Mesh of {size} devices: no process group is initialised and the torchrun variables "
+        f"(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are not set; {_LAUNCH_HINT}"
+    )

@@ -1,0 +1,204 @@
+"""Propagate: give every node of the global graph DTensor placements.
+
+Each node runs on DTensors, so torch's own DTensor op strategies choose its placements (the
+cheapest strategy for the inputs it is given). Three policies sit on top:
+
+1. **Partial sums stay Partial** until a consumer needs them reduced. Then the value is reduced
+   *once* (to Replicate on that mesh axis: an all-reduce) and every later consumer sees the
+   reduced value. An op that would turn a replicated operand into a Partial one (``x + partial``)
+   counts as needing the reduction, so the residual stream of a Megatron block is all-reduced
+   exactly where Megatron does it, and no value is ever split by division.
+2. **Gather on use** (ZeRO-3 / FSDP): inputs named by ``fsdp_argnums`` are stored sharded over the
+   ``fsdp_axes``; each *use* of such a value by a compute op all-gathers it over those axes, so
+   the forward and the backward each gather it and nothing gathered lives across the two.
+   Slicing a layer out of a stacked weight (``select``) happens on the shard first. Element-wise
+   ops that keep the value's shape (the optimizer update) run on the shard.
+3. **Constraints** (``sf.constrain``) redistribute to exactly their spec.
+
+Run it under ``make_fx`` (see ``lower``) and the DTensor ops become local ops plus functional
+collectives: that is the per-rank program.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from shardfn.partition import _torch_private as private
+from shardfn.partition.constrain import decode_spec
+from shardfn.partition.spec import check_divisible, describe, to_placements
+
+aten = torch.ops.aten
+
+# Ops that take a slice out of a stored parameter without touching its sharded dims.
+_SLICING_OPS = {aten.select.int, aten.slice.Tensor}
+
+
+class ShardingError(ValueError):
+    """A node of the traced graph cannot be sharded as asked; the message names the node."""
+
+
+def _where(node: torch.fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    line = [s.strip() for s in trace.strip().splitlines() if s.strip().startswith("File")]
+    at = f" (from {line[-1]})" if line else ""
+    return f"graph node {node.name!r} ({node.target}){at}"
+
+
+class ShardingInterpreter(torch.fx.Interpreter):
+    """Runs the global graph on DTensors, recording each node's placements in ``node.meta``.
+
+    Args:
+        gm: the global graph from ``trace``.
+        mesh: a ``shardfn.Mesh``.
+        stored: per placeholder, True when the input is a ZeRO-3 stored-sharded value.
+        fsdp_axes: mesh-axis names a stored value is gathered over for use.
+    """
+
+    def __init__(self, gm, mesh, stored: Sequence[bool], fsdp_axes: Sequence[str]):
+        super().__init__(gm)
+        self.mesh = mesh
+        self.dmesh = mesh.device_mesh
+        self.names = mesh.names
+        self.fsdp_dims = [self.names.index(a) for a in fsdp_axes if a in self.names and mesh.axes[a] > 1]
+        self.stored_nodes: set[torch.fx.Node] = set()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.stored_nodes.update(n for n, s in zip(placeholders, stored) if s)
+        self.constrained: dict[torch.fx.Node, tuple[str, Any]] = {}
+        self.trace_graph = None
+
+    # -- the node loop -------------------------------------------------------------------
+    def run_node(self, n: torch.fx.Node) -> Any:
+        graph = private.current_trace_graph()
+        before = len(graph.nodes) if graph is not None else 0
+        self.node = n
+        out = super().run_node(n)
+        if n.op in ("call_function", "get_attr") and isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
+            out = self._replicated(out)  # factory ops (zeros, arange, ...) and constants
+        placements = _placements_of(out)
+        if placements is not None:
+            n.meta["sf_placements"] = placements
+        if graph is not None:
+            emitted = list(graph.nodes)[before:]
+            for local in emitted:
+                local.meta["sf_source"] = n.name
+        return out
+
+    def call_function(self, target, args, kwargs):
+        n = self.node
+        if target is torch.ops.shardfn.constrain.default:
+            return self._constrain(n, args[0], decode_spec(args[1]))
+        if target is torch.ops.shardfn.pipeline_split.default:
+            return args[0]
+        if not isinstance(target, torch._ops.OpOverload):
+            return target(*args, **kwargs)
+        args, kwargs = self._gather_stored(n, target, args, kwargs)
+        args, kwargs = self._reduce_partials(n, target, args, kwargs)
+        try:
+            return target(*args, **kwargs)
+        except NotImplementedError as e:
+            raise ShardingError(
+                f"{_where(n)}: torch's DTensor has no sharding rule for {target} with inputs "
+                f"{_describe_args(args, self.names)}; register one with "
+                f"torch.distributed.tensor.experimental.register_sharding, or wrap this code in "
+                f"sf.local_map ({e})"
+            ) from None
+        except RuntimeError as e:
+            if "sharding strategy" in str(e) or "Sharding propagation failed" in str(e):
+                raise ShardingError(f"{_where(n)}: sharding propagation failed: {e}") from None
+            raise
+
+    # -- policies ------------------------------------------------------------------------
+    def _constrain(self, n, x: DTensor, spec) -> DTensor:
+        src = n.args[0]
+        key = str(spec)
+        if src in self.constrained and self.constrained[src][0] != key:
+            other_node, other_spec = self.constrained[src][1], self.constrained[src][0]
+            raise ShardingError(
+                f"conflicting constraints on graph node {src.name!r}: {other_spec} at "
+                f"{other_node.name!r} and {key} at {n.name!r}; constrain a value to one spec"
+            )
+        self.constrained[src] = (key, n)
+        placements = to_placements(spec, x.ndim, self.names, where=f"sf.constrain at {_where(n)}")
+        check_divisible(x.shape, spec, self.mesh.axes, where=f"sf.constrain at {_where(n)}")
+        return x.redistribute(self.dmesh, placements)
+
+    def _gather_stored(self, n, target, args, kwargs):
+        if not self.fsdp_dims:
+            return args, kwargs
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        sources = pytree.tree_leaves((n.args, n.kwargs))
+        if len(sources) != len(flat):  # defensive: structure mismatch means no stored inputs here
+            return args, kwargs
+        stored_in = [i for i, src in enumerate(sources) if isinstance(src, torch.fx.Node) and src in self.stored_nodes]
+        if not stored_in:
+            return args, kwargs
+        if target in _SLICING_OPS:
+            self.stored_nodes.add(n)  # slicing a layer out of the shard keeps it stored
+            return args, kwargs
+        out_shape = n.meta.get("val").shape if isinstance(n.meta.get("val"), torch.Tensor) else None
+        elementwise = torch.Tag.pointwise in target.tags
+        for i in stored_in:
+            x = flat[i]
+            if elementwise and out_shape == x.shape:
+                continue  # optimizer-style update on the shard
+            placements = list(x.placements)
+            if any(isinstance(placements[d], Shard) for d in self.fsdp_dims):
+                for d in self.fsdp_dims:
+                    placements[d] = Replicate()
+                flat[i] = x.redistribute(self.dmesh, placements)
+        return pytree.tree_unflatten(flat, spec)
+
+    def _reduce_partials(self, n, target, args, kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        sources = pytree.tree_leaves((n.args, n.kwargs))
+        tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, DTensor)]
+        if not any(_has_partial(flat[i]) for i in tensor_idx):
+            return args, kwargs
+        wanted = private.desired_input_specs(target, args, kwargs)
+        if wanted is None or len(wanted) != len(tensor_idx):
+            return args, kwargs
+        dims: set[int] = set()
+        for i, w in zip(tensor_idx, wanted):
+            for d, (now, want) in enumerate(zip(flat[i].placements, w.placements)):
+                if isinstance(now, Partial) != isinstance(want, Partial):
+                    dims.add(d)
+        if not dims:
+            return args, kwargs
+        for i in tensor_idx:
+            x = flat[i]
+            if not any(isinstance(x.placements[d], Partial) for d in dims):
+                continue
+            placements = [Replicate() if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)]
+            reduced = x.redistribute(self.dmesh, placements)
+            flat[i] = reduced
+            src = sources[i] if len(sources) == len(flat) else None
+            if isinstance(src, torch.fx.Node) and self.env.get(src) is x:
+                self.env[src] = reduced  # reduce once: later consumers see the reduced value
+        return pytree.tree_unflatten(flat, spec)
+
+    def _replicated(self, t: torch.Tensor) -> DTensor:
+        return DTensor.from_local(t, self.dmesh, [Replicate()] * self.dmesh.ndim, run_check=False)
+
+
+def _has_partial(x: DTensor) -> bool:
+    return any(isinstance(p, Partial) for p in x.placements)
+
+
+def _placements_of(out: Any):
+    if isinstance(out, DTensor):
+        return tuple(out.placements)
+    if isinstance(out, (tuple, list)) and out and all(isinstance(o, DTensor) or o is None for o in out):
+        return tuple(None if o is None else tuple(o.placements) for o in out)
+    return None
+
+
+def _describe_args(args, names) -> str:
+    parts = []
+    for a in pytree.tree_leaves(args):
+        if isinstance(a, DTensor):
+            parts.append(f"{tuple(a.shape)}[{describe(a.placements, names)}]")
+    return ", ".join(parts) or "(no tensors)"

@@ -1,0 +1,127 @@
+"""Reports on a lowered program: its text, its collectives, its memory per rank.
+
+Bytes of a collective are the size of its full buffer on one rank: the tensor for all-reduce,
+the gathered output for all-gather, the input for reduce-scatter, what is sent for all-to-all.
+
+    rows = comm_report(lowered.graph_module, mesh)   # [{"op", "axis", "bytes", "count"}, ...]
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+from shardfn.partition.lower import collective_nodes
+from shardfn.partition.spec import describe
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def collective_bytes(node: torch.fx.Node, kind: str) -> int:
+    inp = node.args[0].meta["val"]
+    out = node.meta["val"]
+    if kind == "all_gather":
+        return _bytes(out)
+    return _bytes(inp)
+
+
+def collectives(gm: torch.fx.GraphModule, mesh) -> list[dict]:
+    """One row per collective in program order: op, axis, bytes, shape, source global node."""
+    rows = []
+    for n, kind in collective_nodes(gm):
+        rows.append(
+            {
+                "op": kind,
+                "axis": mesh.axis_of_group(n.args[-1]),
+                "bytes": collective_bytes(n, kind),
+                "shape": tuple(n.args[0].meta["val"].shape),
+                "node": n.meta.get("sf_source", "?"),
+            }
+        )
+    return rows
+
+
+def comm_report(gm: torch.fx.GraphModule, mesh) -> list[dict]:
+    """Collectives per step per rank, summed by (op, axis): rows of op, axis, bytes, count."""
+    total: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for row in collectives(gm, mesh):
+        acc = total[(row["op"], row["axis"])]
+        acc[0] += row["bytes"]
+        acc[1] += 1
+    return [{"op": op, "axis": axis, "bytes": b, "count": c} for (op, axis), (b, c) in sorted(total.items())]
+
+
+def peak_temporary_bytes(gm: torch.fx.GraphModule) -> int:
+    """Peak bytes of values the program creates (inputs excluded), freeing each after its last use.
+
+    Views are counted as free (they share their base's storage).
+    """
+    nodes = list(gm.graph.nodes)
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last_use[a] = i
+    live = 0
+    peak = 0
+    sizes: dict[torch.fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function":
+            val = n.meta.get("val")
+            size = sum(_bytes(v) for v in _tensors(val) if not _is_view(n))
+            sizes[n] = size
+            live += size
+            peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if last_use.get(a) == i and a in sizes:
+                live -= sizes.pop(a)
+    return peak
+
+
+def _is_view(n: torch.fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _tensors(val):
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mesh, paths: Sequence[str]) -> str:
+    """The global graph, one node a line with its placements, and the collectives each emitted."""
+    emitted: dict[str, list[str]] = defaultdict(list)
+    for row in collectives(local_gm, mesh):
+        emitted[row["node"]].append(f"{row['op']}[{row['axis']}] {row['bytes']} B")
+    names = mesh.names
+    lines = [f"# mesh {mesh}", "# value : placements  (S(d) = sharded on dim d, P = partial sum, R = replicated)"]
+    ph = iter(paths)
+    for n in global_gm.graph.nodes:
+        if n.op == "output":
+            lines.append(f"return {[str(a) for a in n.args[0]]}")
+            continue
+        pl = n.meta.get("sf_placements")
+        if pl is None:
+            text = "-"
+        elif pl and isinstance(pl[0], (tuple, type(None))):
+            text = "(" + ", ".join("-" if p is None else describe(p, names) for p in pl) + ")"
+        else:
+            text = describe(pl, names)
+        val = n.meta.get("val")
+        shape = list(val.shape) if isinstance(val, torch.Tensor) else ""
+        if n.op == "placeholder":
+            lines.append(f"{n.name} = input {next(ph, '?')} {shape} : {text}")
+        else:
+            args = ", ".join(str(a) for a in n.args)
+            lines.append(f"{n.name} = {n.target}({args}) {shape} : {text}")
+        for c in emitted.get(n.name, []):
+            lines.append(f"    ^ {c}")
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""PartitionSpec ``P`` (JAX convention) and its one translation to DTensor placements.
+
+``P`` is indexed by *tensor dim*: each entry names the mesh axis (or tuple of axes) that dim is
+split over, or ``None``. DTensor placements are indexed by *mesh dim*. This module is the only
+place that converts between the two.
+
+    spec = P("dp", None, "tp")                  # dim 0 over dp, dim 2 over tp
+    to_placements(spec, 3, ("dp", "tp"))        # (Shard(0), Shard(2))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import optree
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+
+class P(tuple):
+    """A partition spec: one entry per tensor dim (trailing dims may be left out).
+
+    Each entry is ``None`` (not split), a mesh-axis name, or a tuple of names (split over their
+    product, major to minor).
+
+        P("dp")              # dim 0 over dp, the rest replicated
+        P(("dp", "fsdp"), None, "tp")
+    """
+
+    def __new__(cls, *entries):
+        for e in entries:
+            if not (e is None or isinstance(e, str) or (isinstance(e, tuple) and all(isinstance(a, str) for a in e))):
+                raise TypeError(f"P entries are None, an axis name or a tuple of axis names; got {e!r}")
+        return super().__new__(cls, tuple(e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries))
+
+    def __reduce__(self):
+        return (P, tuple(self))
+
+    def __repr__(self) -> str:
+        return "P(" + ", ".join(repr(e) for e in self) + ")"
+
+    def axes(self) -> list[str]:
+        """All mesh-axis names this spec uses, in order."""
+        out = []
+        for e in self:
+            out.extend([e] if isinstance(e, str) else list(e or ()))
+        return out
+
+
+class _Auto:
+    """Marker: let the auto-sharder choose this input's spec."""
+
+    def __repr__(self) -> str:
+        return "AUTO"
+
+
+AUTO = _Auto()
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, P) or x is None or x is AUTO
+
+
+def to_placements(spec: P | None, ndim: int, axis_names: Sequence[str], *, where: str = "value") -> tuple[Placement, ...]:
+    """Placements (one per mesh dim) for a tensor of ``ndim`` dims under ``spec``.
+
+    Raises ValueError naming ``where`` for an unknown axis, an axis used twice, or more entries
+    than dims.
+    """
+    spec = P() if spec is None else spec
+    if len(spec) > ndim:
+        raise ValueError(f"{where}: spec {spec!r} has {len(spec)} entries but the tensor has {ndim} dims")
+    placements: list[Placement] = [Replicate() for _ in axis_names]
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        names = [entry] if isinstance(entry, str) else list(entry or ())
+        for name in names:
+            if name not in axis_names:
+                raise ValueError(
+                    f"{where}: unknown mesh axis {name!r} in {spec!r}; the mesh has axes {tuple(axis_names)}"
+                )
+            if name in seen:
+                raise ValueError(f"{where}: mesh axis {name!r} is used twice in {spec!r}")
+            seen.add(name)
+            # Splitting one dim over several axes: DTensor orders shards by mesh dim, so the axes
+            # of one entry must follow the mesh order (major to minor).
+            placements[list(axis_names).index(name)] = Shard(dim)
+        idx = [list(axis_names).index(n) for n in names]
+        if idx != sorted(idx):
+            raise ValueError(
+                f"{where}: the axes {tuple(names)} of dim {dim} in {spec!r} must follow the mesh order {tuple(axis_names)}"
+            )
+    return tuple(placements)
+
+
+def to_spec(placements: Sequence[Placement], ndim: int, axis_names: Sequence[str]) -> P:
+    """The inverse of :func:`to_placements` (Partial placements are shown by :func:`describe`)."""
+    entries: list[list[str]] = [[] for _ in range(ndim)]
+    for name, pl in zip(axis_names, placements):
+        if isinstance(pl, Shard):
+            entries[pl.dim].append(name)
+    out = [None if not e else (e[0] if len(e) == 1 else tuple(e)) for e in entries]
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def describe(placements: Sequence[Placement], axis_names: Sequence[str]) -> str:
+    """Compact text for placements: ``dp:S(0) tp:P(sum)``; replicated axes are left out."""
+    parts = []
+    for name, pl in zip(axis_names, placements):
+        if isinstance(pl, Shard):
+            parts.append(f"{name}:S({pl.dim})")
+        elif isinstance(pl, Partial):
+            parts.append(f"{name}:P({pl.reduce_op})")
+    return " ".join(parts) or "R"
+
+
+def check_divisible(shape: Sequence[int], spec: P | None, axis_sizes: dict[str, int], *, where: str) -> None:
+    """ValueError naming ``where`` when a dim is not divisible by the mesh axes it is split over."""
+    for dim, entry in enumerate(spec or ()):
+        names = [entry] if isinstance(entry, str) else list(entry or ())
+        n = 1
+        for name in names:
+            n *= axis_sizes[name]
+        if n > 1 and shape[dim] % n:
+            raise ValueError(
+                f"{where}: dim {dim} of size {shape[dim]} is not divisible by mesh axes {tuple(names)} "
+                f"(size {n}); pick a size that divides, or split this dim over fewer axes"
+            )
+
+
+def broadcast_specs(specs: Any, tree: Any, *, what: str = "in_specs") -> list:
+    """One spec per leaf of ``tree``; ``specs`` may be a prefix of ``tree`` (a single ``P``
+    stands for every leaf below it, ``None`` means replicated).
+
+        broadcast_specs((P("dp"), P()), (x, {"a": y, "b": z}))  # [P('dp'), P(), P()]
+    """
+    specs = optree.tree_map(lambda s: P() if s is None else s, specs, is_leaf=is_spec, none_is_leaf=True)
+    treedef = optree.tree_structure(tree, none_is_leaf=False)
+    try:
+        full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec, none_is_leaf=False)
+        return treedef.flatten_up_to(full)
+    except ValueError as e:
+        raise ValueError(f"{what} must be a pytree prefix of the arguments: {e}") from None
+
+
+def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str, int]) -> Any:
+    """Turn logical axis names into a ``P`` per leaf using ``rules`` (logical axis -> mesh axis,
+    tuple/list of mesh axes, or None). Mesh axes of size 1 are dropped; a mesh axis is used at
+    most once per tensor (the first dim that claims it wins).
+
+        specs_from_rules({"w": ("embed", "mlp")}, {"mlp": "tp"}, {"tp": 2})  # {"w": P(None, 'tp')}
+    """
+    from shardfn.core.pytree import map_axes
+
+    for logical, target in rules.items():
+        for name in _names(target):
+            if name not in axis_sizes:
+                raise ValueError(
+                    f"rules.{logical}: unknown mesh axis {name!r}; the mesh has axes {tuple(axis_sizes)}"
+                )
+
+    def one(axes: tuple) -> P:
+        used: set[str] = set()
+        entries = []
+        for logical in axes:
+            names = [n for n in _names(rules.get(logical)) if axis_sizes[n] > 1 and n not in used]
+            used.update(names)
+            entries.append(None if not names else (names[0] if len(names) == 1 else tuple(names)))
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return map_axes(one, axes_tree)
+
+
+def _names(target: Any) -> list[str]:
+    if target is None:
+        return []
+    if isinstance(target, str):
+        return [target]
+    if isinstance(target, Iterable):
+        return [str(t) for t in target]
+    raise TypeError(f"a rule maps to a mesh axis name, a list of names, or null; got {target!r}")
+
+
+def shard_shape(shape: Sequence[int], spec: P | None, axis_sizes: dict[str, int]) -> torch.Size:
+    """Local (per-rank) shape of an evenly divisible tensor under ``spec``."""
+    out = list(shape)
+    for dim, entry in enumerate(spec or ()):
+        for name in _names(entry):
+            out[dim] //= axis_sizes[name]
+    return torch.Size(out)
