@@ -1,0 +1,407 @@
+"""Functional optimizers in the style of optax.
+
+A transform is a pair of pure functions, ``init(params) -> state`` and
+``update(updates, state, params) -> (updates, new_state)``, bundled as a
+:class:`GradientTransformation`. States are NamedTuples of tensors (pytrees), so a whole training
+step -- forward, backward and optimizer -- is one pure function that ``make_fx``, ``torch.func`` and
+``torch.compile`` can trace, and that the partitioner can shard: every state tree that mirrors the
+parameters (``mu``, ``nu``) has exactly the parameters' tree structure.
+
+Nothing here reads a tensor value on the host: no ``.item()``, no Python branching on tensors. The
+step count lives in the state as a 0-d ``int32`` tensor on the parameters' device, and learning-rate
+schedules are functions of that tensor.
+
+    opt = adamw(warmup_cosine(3e-3, 10, 100, 0.1), weight_decay=0.1)
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = apply_updates(params, updates)
+
+Sign convention (as in optax): ``update`` returns the *step to add* to the parameters, so a
+learning rate enters as ``-lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Union
+
+import torch
+
+from shardfn.core.pytree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+Schedule = Callable[[torch.Tensor], torch.Tensor]
+"""A learning-rate schedule: ``step`` (0-d int tensor, 0 for the first update) -> 0-d tensor."""
+
+ScalarOrSchedule = Union[float, Schedule]
+MaskOrFn = Union[PyTree, Callable[[PyTree], PyTree], None]
+
+
+class GradientTransformation(NamedTuple):
+    """A pair of pure functions.
+
+    Attributes:
+        init: ``init(params) -> state``.
+        update: ``update(updates, state, params=None) -> (new_updates, new_state)``.
+
+    Example:
+        opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
+        updates, state = opt.update(grads, opt.init(params), params)
+    """
+
+    init: Callable[[PyTree], Any]
+    update: Callable[..., tuple[PyTree, Any]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+class ScaleByAdamState(NamedTuple):
+    count: torch.Tensor  # [] int32: number of updates applied so far
+    mu: PyTree  # like params: first moment (EMA of gradients)
+    nu: PyTree  # like params: second moment (EMA of squared gradients)
+
+
+class ScaleByLearningRateState(NamedTuple):
+    count: torch.Tensor  # [] int32: number of updates applied so far
+    lr: torch.Tensor  # [] float32: the learning rate used by the most recent update
+
+
+class ClipByGlobalNormState(NamedTuple):
+    global_norm: torch.Tensor  # [] float32: L2 norm of the most recent incoming updates, pre-clip
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _first_device(tree: PyTree) -> torch.device:
+    leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def _zero_count(params: PyTree) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int32, device=_first_device(params))
+
+
+def _lr_at(lr: ScalarOrSchedule, count: torch.Tensor) -> torch.Tensor:
+    """The learning rate for the update that sees ``count`` previous updates, as a 0-d tensor."""
+    if callable(lr):
+        return torch.as_tensor(lr(count), dtype=torch.float32, device=count.device)
+    return torch.full((), float(lr), dtype=torch.float32, device=count.device)
+
+
+def _one_minus_pow(b: float, count: torch.Tensor) -> torch.Tensor:
+    """``1 - b**count`` as ``-expm1(count * log b)``: exact to fp32 rounding even for b near 1."""
+    return -torch.expm1(count.to(torch.float32) * math.log(b))
+
+
+def global_norm(tree: PyTree) -> torch.Tensor:
+    """The L2 norm of all leaves of ``tree`` together, as a 0-d float32 tensor.
+
+    Example:
+        global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})  # tensor(5.)
+    """
+    leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    squares = [torch.sum(torch.square(x.to(torch.float32))) for x in leaves]
+    return torch.sqrt(torch.stack(squares).sum())
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``params + updates`` leaf-wise, keeping each parameter's dtype.
+
+    Example:
+        updates, state = opt.update(grads, state, params)
+        params = apply_updates(params, updates)
+    """
+    return tree_map(lambda p, u: p + u.to(p.dtype), params, updates)
+
+
+def find_state(state: Any, cls: type) -> Any | None:
+    """The first sub-state of type ``cls`` in a (possibly chained) optimizer state, or ``None``.
+
+    Example:
+        norm = find_state(opt_state, ClipByGlobalNormState).global_norm
+    """
+    if isinstance(state, cls):
+        return state
+    if isinstance(state, (tuple, list)):
+        for sub in state:
+            found = find_state(sub, cls)
+            if found is not None:
+                return found
+    return None
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def constant_schedule(value: float) -> Schedule:
+    """``step -> value``.
+
+    Example:
+        constant_schedule(1e-3)(torch.tensor(5))  # tensor(0.0010)
+    """
+
+    def schedule(step):
+        step = torch.as_tensor(step)
+        return torch.full((), float(value), dtype=torch.float32, device=step.device)
+
+    return schedule
+
+
+def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, min_ratio: float = 0.0) -> Schedule:
+    """Linear warmup to ``peak``, then cosine decay to ``peak * min_ratio`` at ``total_steps``.
+
+    ``lr(s) = peak * (s + 1) / warmup_steps`` for ``s < warmup_steps`` (the first update already
+    moves; the last warmup step is at ``peak``), then with ``t = (s - warmup_steps) /
+    (total_steps - warmup_steps)`` clipped to ``[0, 1]``:
+    ``lr(s) = min + (peak - min) * (1 + cos(pi * t)) / 2`` with ``min = peak * min_ratio``.
+
+    Args:
+        peak: the learning rate at the end of warmup.
+        warmup_steps: number of warmup steps (0 for none).
+        total_steps: the step at which the decay reaches ``peak * min_ratio`` (usually the run's
+            total number of steps, warmup included).
+        min_ratio: final learning rate as a fraction of ``peak``.
+
+    Returns:
+        A :data:`Schedule`: a traceable function of a 0-d integer tensor (ints work too).
+
+    Example:
+        lr = warmup_cosine(1.0, warmup_steps=2, total_steps=6, min_ratio=0.0)
+        [round(float(lr(s)), 3) for s in range(7)]  # [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]
+    """
+    if warmup_steps < 0 or total_steps < 0:
+        raise ValueError(f"warmup_steps ({warmup_steps}) and total_steps ({total_steps}) must be >= 0")
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"min_ratio must be in [0, 1], got {min_ratio}")
+    floor = peak * min_ratio
+    decay_steps = max(total_steps - warmup_steps, 1)
+
+    def schedule(step):
+        s = torch.as_tensor(step).to(torch.float32)
+        warm = peak * (s + 1.0) / max(warmup_steps, 1)
+        t = torch.clamp((s - warmup_steps) / decay_steps, 0.0, 1.0)
+        cosine = floor + (peak - floor) * 0.5 * (1.0 + torch.cos(math.pi * t))
+        return torch.where(s < warmup_steps, warm, cosine)
+
+    return schedule
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam's preconditioning: ``m_hat / (sqrt(v_hat) + eps)`` with bias correction.
+
+    Follows ``torch.optim.Adam``: ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``,
+    ``update = (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)`` at step ``t = 1, 2, ...``.
+    Moments have the parameters' dtype and tree structure.
+
+    Example:
+        opt = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
+        updates, state = opt.update(grads, opt.init(params))
+    """
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got b1={b1}, b2={b2}")
+
+    def init(params):
+        zeros = lambda p: torch.zeros_like(p)  # noqa: E731
+        return ScaleByAdamState(_zero_count(params), tree_map(zeros, params), tree_map(zeros, params))
+
+    def update(updates, state, params=None):
+        del params
+        if not isinstance(state, ScaleByAdamState):
+            raise TypeError(f"scale_by_adam got state {type(state).__name__}; make sure you passed "
+                            "the state returned by this transform's init (or by the chain's init).")
+        count = state.count + 1
+        mu = tree_map(lambda m, g: torch.lerp(m, g.to(m.dtype), 1.0 - b1), state.mu, updates)
+        nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * torch.square(g.to(v.dtype)), state.nu, updates)
+        bc1 = _one_minus_pow(b1, count)
+        bc2_sqrt = torch.sqrt(_one_minus_pow(b2, count))
+        new = tree_map(lambda m, v: (m / bc1.to(m.dtype)) / (torch.sqrt(v) / bc2_sqrt.to(v.dtype) + eps), mu, nu)
+        return new, ScaleByAdamState(count, mu, nu)
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float) -> GradientTransformation:
+    """``updates + weight_decay * params`` (decoupled weight decay when placed before the lr).
+
+    Example:
+        opt = chain(scale_by_adam(), add_decayed_weights(0.1), scale_by_learning_rate(1e-3))
+        updates, state = opt.update(grads, opt.init(params), params)
+    """
+
+    def init(params):
+        del params
+        return EmptyState()
+
+    def update(updates, state, params=None):
+        if weight_decay == 0.0:
+            return updates, state
+        if params is None:
+            raise ValueError("add_decayed_weights needs the parameters: call update(grads, state, params).")
+        return tree_map(lambda u, p: u + weight_decay * p.to(u.dtype), updates, params), state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
+    """``-lr * updates``; ``lr`` is a float or a :data:`Schedule` of the update count.
+
+    The state records the learning rate the latest update used (``state.lr``), for logging.
+
+    Example:
+        opt = chain(scale_by_adam(), scale_by_learning_rate(warmup_cosine(1e-3, 10, 100)))
+        updates, state = opt.update(grads, opt.init(params))
+    """
+
+    def init(params):
+        count = _zero_count(params)
+        return ScaleByLearningRateState(count, _lr_at(lr, count))
+
+    def update(updates, state, params=None):
+        del params
+        step_lr = _lr_at(lr, state.count)
+        new = tree_map(lambda u: -step_lr.to(u.dtype) * u, updates)
+        return new, ScaleByLearningRateState(state.count + 1, step_lr)
+
+    return GradientTransformation(init, update)
+
+
+def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+    """Scale all updates by ``min(1, max_norm / (norm + 1e-6))``, like ``clip_grad_norm_``.
+
+    ``norm`` is the L2 norm over all leaves together; the state records it (before clipping) as
+    ``state.global_norm``, e.g. for logging ``grad_norm``.
+
+    Example:
+        clipped, state = clip_by_global_norm(1.0).update(grads, EmptyState())
+        state.global_norm  # the norm of grads
+    """
+    if max_norm <= 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}; leave clipping out of the chain to disable it.")
+
+    def init(params):
+        return ClipByGlobalNormState(torch.zeros((), dtype=torch.float32, device=_first_device(params)))
+
+    def update(updates, state, params=None):
+        del state, params
+        norm = global_norm(updates)
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return tree_map(lambda u: u * scale.to(u.dtype), updates), ClipByGlobalNormState(norm)
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Apply transforms in sequence; the state is the tuple of their states.
+
+    Example:
+        opt = chain(clip_by_global_norm(1.0), scale_by_adam(), scale_by_learning_rate(1e-3))
+        state = opt.init(params)  # (ClipByGlobalNormState, ScaleByAdamState, ScaleByLearningRateState)
+    """
+
+    def init(params):
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates, state, params=None):
+        if not isinstance(state, tuple) or len(state) != len(transforms):
+            raise ValueError(f"chain of {len(transforms)} transforms got a state of type "
+                             f"{type(state).__name__}; pass the state returned by this chain's init.")
+        new_states = []
+        for t, s in zip(transforms, state):
+            updates, s = t.update(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformation:
+    """Apply ``inner`` only where ``mask`` is True; leaves where it is False get a zero update.
+
+    Masked-off leaves are left exactly untouched (no step, no weight decay), and ``inner`` sees a
+    zero gradient for them so its statistics stay zero. The state keeps the parameters' full tree
+    structure, so specs that address parameters address their optimizer state too.
+
+    Args:
+        inner: the transform to apply to the selected leaves.
+        mask: a tree of Python bools with the parameters' structure, or a function
+            ``params -> such a tree``. Static: it is read at trace time, never as a tensor.
+
+    Example:
+        mask = {"w": True, "router_bias": False}
+        opt = masked(adamw(1e-3), mask)
+    """
+
+    def resolve(params):
+        m = mask(params) if callable(mask) else mask
+        leaves, treedef = tree_flatten(m)
+        bad = [x for x in leaves if not isinstance(x, bool)]
+        if bad:
+            raise TypeError(f"mask leaves must be Python bools (static), got {type(bad[0]).__name__}; "
+                            "build the mask with map_with_path(lambda path, x: ..., params).")
+        return m
+
+    def select(m, keep, tree, other):
+        return tree_map(lambda b, x, y: x if b == keep else y, m, tree, other)
+
+    def init(params):
+        return inner.init(params)
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("masked(...) needs the parameters to resolve its mask: call update(grads, state, params).")
+        m = resolve(params)
+        zeros = tree_map(torch.zeros_like, updates)
+        new, state = inner.update(select(m, True, updates, zeros), state, params)
+        return select(m, True, new, zeros), state
+
+    return GradientTransformation(init, update)
+
+
+# ----------------------------------------------------------------------------- aliases
+
+
+def adamw(
+    lr: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    mask: MaskOrFn = None,
+) -> GradientTransformation:
+    """AdamW (Loshchilov & Hutter, 2019) exactly as ``torch.optim.AdamW``.
+
+    ``p <- p - lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``: bias-corrected Adam plus
+    weight decay decoupled from the gradient statistics and scaled by the (scheduled) learning rate.
+
+    Args:
+        lr: a float, or a schedule ``step -> lr`` evaluated at the number of previous updates
+            (0 for the first), like a ``torch.optim.lr_scheduler.LambdaLR`` stepped after each update.
+        b1, b2: exponential decay rates of the first and second moments.
+        eps: added to ``sqrt(v_hat)`` for numerical stability.
+        weight_decay: decoupled weight-decay coefficient.
+        mask: optional tree of bools (or ``params -> tree``); leaves marked False are left untouched
+            (no update and no decay), e.g. the MoE router's selection bias.
+
+    Example:
+        opt = adamw(warmup_cosine(3e-3, 10, 100, 0.1), b2=0.95, weight_decay=0.1)
+        updates, state = opt.update(grads, opt.init(params), params)
+    """
+    opt = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+    return opt if mask is None else masked(opt, mask)
+
+
+def adam(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Adam (Kingma & Ba, 2015) as ``torch.optim.Adam`` without weight decay.
+
+    Example:
+        opt = adam(1e-3)
+        updates, state = opt.update(grads, opt.init(params))
+    """
+    return chain(scale_by_adam(b1, b2, eps), scale_by_learning_rate(lr))

@@ -1,0 +1,244 @@
+"""Functional optimizers and transforms against torch.optim / torch.nn.utils / hand-computed values."""
+
+import math
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardfn.core import optim
+from shardfn.core.pytree import flatten_with_paths, tree_leaves, tree_map
+from shardfn.core.transforms import grad, stop_gradient, value_and_grad
+
+
+def _params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed": torch.randn(7, 5, generator=g),
+        "layers": {"w": torch.randn(2, 5, 3, generator=g), "norm": torch.randn(2, 5, generator=g)},
+        "bias": torch.randn(3, generator=g),
+    }
+
+
+def _grads(step, like):
+    g = torch.Generator().manual_seed(100 + step)
+    return tree_map(lambda p: torch.randn(p.shape, generator=g), like)
+
+
+def _run_functional(opt, params, steps, jit=False):
+    state = opt.init(params)
+    update = torch.compile(opt.update) if jit else opt.update
+    for step in range(steps):
+        updates, state = update(_grads(step, params), state, params)
+        params = optim.apply_updates(params, updates)
+    return params, state
+
+
+def _run_torch(params, steps, make_opt, schedule=None):
+    flat = {k: v.clone().requires_grad_(True) for k, v in _flat(params).items()}
+    opt = make_opt(list(flat.values()))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule) if schedule else None
+    for step in range(steps):
+        for k, g in _flat(_grads(step, params)).items():
+            flat[k].grad = g
+        opt.step()
+        if sched:
+            sched.step()
+    return {k: v.detach() for k, v in flat.items()}
+
+
+def _flat(tree):
+    return dict(flatten_with_paths(tree))
+
+
+def _assert_close(ours, theirs, atol=1e-6):
+    ours = _flat(ours)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], atol=atol, rtol=0, msg=k)
+
+
+# ----------------------------------------------------------------------------- AdamW
+
+
+@pytest.mark.parametrize("jit", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_matches_torch(jit, wd):
+    params = _params()
+    lr, b1, b2, eps = 1e-2, 0.9, 0.95, 1e-8
+    ours, state = _run_functional(optim.adamw(lr, b1, b2, eps, weight_decay=wd), params, 5, jit=jit)
+    theirs = _run_torch(params, 5, lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd))
+    _assert_close(ours, theirs)
+    adam_state = optim.find_state(state, optim.ScaleByAdamState)
+    assert adam_state.count.dtype == torch.int32 and int(adam_state.count) == 5
+
+
+def test_adamw_with_schedule_matches_lambda_lr():
+    params = _params(1)
+    peak, sched = 3e-2, optim.warmup_cosine(3e-2, warmup_steps=2, total_steps=5, min_ratio=0.1)
+    ours, state = _run_functional(optim.adamw(sched, 0.9, 0.999, 1e-8, weight_decay=0.05), params, 5)
+    theirs = _run_torch(
+        params, 5, lambda ps: torch.optim.AdamW(ps, lr=peak, weight_decay=0.05), schedule=lambda s: float(sched(s)) / peak
+    )
+    _assert_close(ours, theirs)
+    # The state records the lr of the latest update (step 4 of a 5-step schedule).
+    lr_state = optim.find_state(state, optim.ScaleByLearningRateState)
+    assert float(lr_state.lr) == pytest.approx(float(sched(4)))
+
+
+def test_adamw_bias_correction_first_step_is_sign_times_lr():
+    # After one step m_hat = g and v_hat = g^2, so the update is -lr * g / (|g| + eps).
+    params = {"w": torch.zeros(4)}
+    grads = {"w": torch.tensor([1e-3, -2.0, 30.0, -4e4])}
+    updates, _ = optim.adamw(0.5, b1=0.9, b2=0.999, eps=0.0, weight_decay=0.0).update(
+        grads, optim.adamw(0.5).init(params), params
+    )
+    torch.testing.assert_close(updates["w"], -0.5 * torch.sign(grads["w"]))
+
+
+def test_mask_leaves_untouched_and_others_match_torch():
+    params = _params(2)
+    mask = {"embed": True, "layers": {"w": True, "norm": False}, "bias": False}
+    ours, state = _run_functional(optim.adamw(1e-2, weight_decay=0.1, mask=mask), params, 5)
+    assert torch.equal(ours["layers"]["norm"], params["layers"]["norm"])
+    assert torch.equal(ours["bias"], params["bias"])
+    # Statistics of masked-off leaves stay zero; the state keeps the params' structure.
+    adam_state = optim.find_state(state, optim.ScaleByAdamState)
+    assert torch.count_nonzero(adam_state.nu["bias"]) == 0
+    assert tree_map(lambda x: x.shape, adam_state.mu) == tree_map(lambda x: x.shape, params)
+    theirs = _run_torch(params, 5, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))
+    for k in ("embed", "layers.w"):
+        torch.testing.assert_close(_flat(ours)[k], theirs[k], atol=1e-6, rtol=0)
+
+
+def test_mask_as_function_of_params():
+    params = {"w": torch.ones(3), "router_bias": torch.ones(3)}
+    opt = optim.adamw(0.1, mask=lambda p: {k: k != "router_bias" for k in p})
+    updates, _ = opt.update({"w": torch.ones(3), "router_bias": torch.ones(3)}, opt.init(params), params)
+    assert torch.count_nonzero(updates["router_bias"]) == 0 and torch.all(updates["w"] < 0)
+
+
+def test_mask_must_be_static_bools():
+    params = {"w": torch.ones(3)}
+    opt = optim.adamw(0.1, mask={"w": torch.tensor(True)})
+    with pytest.raises(TypeError, match="Python bools"):
+        opt.update(params, opt.init(params), params)
+
+
+def test_wrong_state_says_how_to_fix():
+    params = {"w": torch.ones(3)}
+    with pytest.raises(ValueError, match="init"):
+        optim.adamw(0.1).update(params, optim.EmptyState(), params)
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_clip_by_global_norm_matches_torch(max_norm):
+    grads = _grads(0, _params())
+    ours, state = optim.clip_by_global_norm(max_norm).update(grads, None)
+    tensors = [g.clone() for g in _flat(grads).values()]
+    holders = [torch.zeros_like(t, requires_grad=True) for t in tensors]
+    for h, t in zip(holders, tensors):
+        h.grad = t
+    norm = torch.nn.utils.clip_grad_norm_(holders, max_norm)
+    torch.testing.assert_close(state.global_norm, norm)
+    _assert_close(ours, {k: h.grad for k, h in zip(_flat(grads), holders)})
+
+
+def test_global_norm_hand_computed():
+    assert float(optim.global_norm({"a": torch.tensor([3.0]), "b": {"c": torch.tensor([[4.0]])}})) == 5.0
+
+
+def test_chain_threads_states_in_order():
+    params = {"w": torch.zeros(2)}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adam(0.1))
+    state = opt.init(params)
+    assert isinstance(state[0], optim.ClipByGlobalNormState)
+    updates, state = opt.update({"w": torch.tensor([30.0, 40.0])}, state, params)
+    assert float(state[0].global_norm) == 50.0
+    torch.testing.assert_close(updates["w"], torch.tensor([-0.1, -0.1]))
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def test_warmup_cosine_hand_checked():
+    lr = optim.warmup_cosine(1.0, warmup_steps=2, total_steps=6, min_ratio=0.0)
+    c = math.cos(math.pi / 4)
+    expected = [0.5, 1.0, 1.0, 0.5 * (1 + c), 0.5, 0.5 * (1 - c), 0.0, 0.0]
+    assert [float(lr(s)) for s in range(8)] == pytest.approx(expected, abs=1e-6)
+
+
+def test_warmup_cosine_min_ratio_and_no_warmup():
+    lr = optim.warmup_cosine(2.0, warmup_steps=0, total_steps=4, min_ratio=0.25)
+    assert [float(lr(torch.tensor(s))) for s in (0, 2, 4, 9)] == pytest.approx([2.0, 1.25, 0.5, 0.5])
+
+
+def test_warmup_cosine_rejects_bad_ratio():
+    with pytest.raises(ValueError, match="min_ratio"):
+        optim.warmup_cosine(1.0, 1, 10, min_ratio=2.0)
+
+
+# ----------------------------------------------------------------------------- traceability
+
+
+def _step_fn():
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 2, 10, 0.1), weight_decay=0.1))
+
+    def loss(p, x):
+        return torch.tanh(x @ p["embed"]).sum() + (p["layers"]["w"] ** 2).sum() + p["bias"].sum()
+
+    def step(p, s, x):
+        value, g = value_and_grad(loss)(p, x)
+        u, s = opt.update(g, s, p)
+        return optim.apply_updates(p, u), s, value
+
+    return opt, step
+
+
+def test_full_step_traces_with_make_fx():
+    opt, step = _step_fn()
+    params, x = _params(), torch.randn(4, 7)
+    state = opt.init(params)
+    graph = make_fx(step)(params, state, x)
+    # No host syncs: no `_local_scalar_dense` (what .item() lowers to) anywhere in the graph.
+    assert "_local_scalar_dense" not in str(graph.graph)
+    ours = graph(params, state, x)
+    ref = step(params, state, x)
+    for a, b in zip(tree_leaves(ours), tree_leaves(ref)):
+        torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def test_value_and_grad_matches_autograd():
+    params, x = _params(), torch.randn(4, 7)
+
+    def f(p, x):
+        return (torch.tanh(x @ p["embed"]) @ p["layers"]["w"][0]).square().mean()
+
+    value, grads = value_and_grad(f)(params, x)
+    leaf = params["embed"].clone().requires_grad_(True)
+    ref = f({**params, "embed": leaf}, x)
+    ref.backward()
+    torch.testing.assert_close(value, ref.detach())
+    torch.testing.assert_close(grads["embed"], leaf.grad)
+    assert torch.count_nonzero(grads["bias"]) == 0
+
+
+def test_value_and_grad_aux_and_argnums():
+    def f(a, b):
+        return (a * b).sum(), {"a2": a * a}
+
+    (value, aux), (ga, gb) = value_and_grad(f, argnums=(0, 1), has_aux=True)(torch.tensor([2.0]), torch.tensor([3.0]))
+    assert float(value) == 6.0 and float(aux["a2"]) == 4.0 and float(ga) == 3.0 and float(gb) == 2.0
+    assert float(grad(lambda w: (w**2).sum())(torch.tensor(3.0))) == 6.0
+    assert float(grad(lambda w: (stop_gradient(w) * w).sum())(torch.tensor(3.0))) == 3.0
+
+
+def test_bad_argnums():
+    with pytest.raises(TypeError, match="argnums"):
+        value_and_grad(lambda x: x, argnums=())
