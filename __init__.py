@@ -16,7 +16,7 @@ _EXPORTS = {
     "AUTO": "shardfn.partition.spec",
     "Mesh": "shardfn.partition.mesh",
     "constrain": "shardfn.partition.constrain",
-    "local_map": "shardfn.partition.constrain",
+    "local_map": "shardfn.partition.local_map",
     "pipeline_split": "shardfn.partition.constrain",
     "jit": "shardfn.partition.api",
 }

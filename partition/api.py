@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.partition import report
+from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
 from shardfn.partition.spec import AUTO, P, broadcast_specs, check_divisible, to_placements
@@ -118,7 +119,8 @@ class Jitted:
         if self.in_specs is AUTO:
             raise NotImplementedError("in_specs=sf.AUTO needs the auto-sharding solver (shardfn.partition.auto)")
         names = self.mesh.names
-        traced = trace(self.fn, args)
+        with mesh_scope(self.mesh):
+            traced = trace(self.fn, args)
         in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
         in_placements = []
         for spec, meta, path in zip(in_specs, traced.in_meta, traced.in_paths):

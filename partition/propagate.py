@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from shardfn.partition import _torch_private as private
+from shardfn.partition import local_map
 from shardfn.partition.constrain import decode_spec
 from shardfn.partition.spec import check_divisible, describe, to_placements
 
@@ -93,6 +94,10 @@ class ShardingInterpreter(torch.fx.Interpreter):
             return self._constrain(n, args[0], decode_spec(args[1]))
         if target is torch.ops.shardfn.pipeline_split.default:
             return args[0]
+        if target is torch.ops.shardfn.local_region.default:
+            return self._local_region(n, args[0], args[1])
+        if target is torch.ops.shardfn.local_region_backward.default:
+            return self._local_region_backward(n, args[0], args[1], args[2])
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)
         args, kwargs = self._gather_stored(n, target, args, kwargs)
@@ -125,6 +130,41 @@ class ShardingInterpreter(torch.fx.Interpreter):
         placements = to_placements(spec, x.ndim, self.names, where=f"sf.constrain at {_where(n)}")
         check_divisible(x.shape, spec, self.mesh.axes, where=f"sf.constrain at {_where(n)}")
         return x.redistribute(self.dmesh, placements)
+
+    def _to_local(self, xs, specs, n) -> list:
+        out = []
+        for x, spec in zip(xs, specs):
+            pl = to_placements(spec, x.ndim, self.names, where=f"sf.local_map input at {_where(n)}")
+            check_divisible(x.shape, spec, self.mesh.axes, where=f"sf.local_map input at {_where(n)}")
+            out.append(x.redistribute(self.dmesh, pl).to_local())
+        return out
+
+    def _from_local(self, locals_, specs, metas) -> list:
+        out = []
+        for t, spec, meta in zip(locals_, specs, metas):
+            pl = to_placements(spec, t.ndim, self.names, where="sf.local_map output")
+            out.append(DTensor.from_local(t, self.dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride()))
+        return out
+
+    def _local_region(self, n, xs, rid):
+        reg = local_map.region(rid)
+        outs = reg.call_flat(self._to_local(xs, reg.in_leaf_specs, n))
+        return self._from_local(outs, reg.out_leaf_specs, n.meta["val"])
+
+    def _local_region_backward(self, n, xs, gs, rid):
+        reg = local_map.region(rid)
+        local_xs = self._to_local(xs, reg.in_leaf_specs, n)
+        local_gs = self._to_local(gs, reg.out_leaf_specs, n)
+        grads = local_map.vjp_flat(reg, local_xs, local_gs)
+        # The region varies along every axis some input is split over; an input replicated
+        # along such an axis gets per-rank cotangent contributions, i.e. a Partial sum there.
+        varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes()}
+        out = []
+        for g, spec, meta in zip(grads, reg.in_leaf_specs, n.meta["val"]):
+            pl = list(to_placements(spec, g.ndim, self.names, where="sf.local_map cotangent"))
+            pl = [Partial() if d in varying and isinstance(p, Replicate) else p for d, p in enumerate(pl)]
+            out.append(DTensor.from_local(g, self.dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride()))
+        return out
 
     def _gather_stored(self, n, target, args, kwargs):
         if not self.fsdp_dims:

@@ -1,0 +1,199 @@
+"""``local_map``: a manual per-rank region inside a partitioned function (JAX's ``shard_map``).
+
+Inside the region, ``f`` sees this rank's *local* shards (as laid out by ``in_specs``) and may
+call collectives itself (MoE dispatch does its all-to-alls here); its local outputs are
+reassembled under ``out_specs``. In the traced graph the region is one opaque node (and one for
+its backward, computed with ``torch.func.vjp`` of ``f``), so propagation never looks inside.
+On one device, and outside ``sf.jit``, ``local_map(f, ...)`` is simply ``f``.
+
+    moe = sf.local_map(dispatch_and_compute, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
+    y = moe(x, expert_weights)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, List
+
+import optree
+import torch
+
+from shardfn.partition.constrain import tracing
+from shardfn.partition.spec import broadcast_specs, to_placements
+
+_state = threading.local()
+
+
+@dataclass
+class Region:
+    fn: Callable
+    in_specs: Any
+    out_specs: Any
+    in_treedef: Any = None
+    out_treedef: Any = None
+    in_leaf_specs: list | None = None
+    out_leaf_specs: list | None = None
+    out_meta: list | None = None   # local output metadata, set when first traced
+
+    def call_flat(self, flat_inputs: list) -> list:
+        args = optree.tree_unflatten(self.in_treedef, list(flat_inputs))
+        out = self.fn(*args)
+        leaves, treedef = optree.tree_flatten(out, none_is_leaf=False)
+        self.out_treedef = treedef
+        if self.out_leaf_specs is None:
+            self.out_leaf_specs = broadcast_specs(self.out_specs, out, what="local_map out_specs")
+        return leaves
+
+
+_regions: list[Region] = []
+
+
+def region(rid: int) -> Region:
+    return _regions[rid]
+
+
+@contextlib.contextmanager
+def mesh_scope(mesh):
+    """Make ``mesh`` the one local_map regions use for shapes while tracing."""
+    prev = getattr(_state, "mesh", None)
+    _state.mesh = mesh
+    try:
+        yield
+    finally:
+        _state.mesh = prev
+
+
+def current_mesh():
+    return getattr(_state, "mesh", None)
+
+
+def _scale(shape, spec, mesh, factor: int) -> list[int]:
+    """Local -> global shape (factor=+1) or global -> local (factor=-1) under ``spec``."""
+    out = list(shape)
+    for dim, entry in enumerate(spec or ()):
+        names = [entry] if isinstance(entry, str) else list(entry or ())
+        for name in names:
+            n = mesh.axes[name]
+            out[dim] = out[dim] * n if factor > 0 else out[dim] // n
+    return out
+
+
+def _local_fakes(reg: Region, xs: list) -> list:
+    mesh = current_mesh()
+    return [torch.empty(_scale(x.shape, s, mesh, -1), dtype=x.dtype, device=x.device) for x, s in zip(xs, reg.in_leaf_specs)]
+
+
+@torch.library.custom_op("shardfn::local_region", mutates_args=())
+def _local_region(xs: List[torch.Tensor], rid: int) -> List[torch.Tensor]:
+    # Runs only for a one-device graph: global and local are the same there.
+    return [o.clone() for o in region(rid).call_flat(xs)]
+
+
+@_local_region.register_fake
+def _(xs, rid):
+    reg = region(rid)
+    mesh = current_mesh()
+    outs = reg.call_flat(_local_fakes(reg, xs)) if mesh is not None else reg.call_flat(xs)
+    reg.out_meta = [(tuple(o.shape), o.dtype) for o in outs]
+    if mesh is None:
+        return [torch.empty_like(o) for o in outs]
+    return [torch.empty(_scale(o.shape, s, mesh, +1), dtype=o.dtype, device=o.device) for o, s in zip(outs, reg.out_leaf_specs)]
+
+
+def vjp_flat(reg: Region, xs: list, gs: list) -> list:
+    """Input cotangents of the region at ``xs`` for output cotangents ``gs`` (zeros for
+    integer inputs)."""
+    diff = [i for i, x in enumerate(xs) if x.is_floating_point()]
+
+    def f(*d):
+        full = list(xs)
+        for i, v in zip(diff, d):
+            full[i] = v
+        return [o for o in reg.call_flat(full)]
+
+    outs, pullback = torch.func.vjp(f, *[xs[i] for i in diff])
+    cot = [g if o.is_floating_point() else None for o, g in zip(outs, gs)]
+    cot = [torch.zeros_like(o) if c is None and o.is_floating_point() else c for o, c in zip(outs, cot)]
+    grads = pullback([c if c is not None else torch.zeros_like(o) for o, c in zip(outs, cot)])
+    result = [torch.zeros_like(x) for x in xs]
+    for i, g in zip(diff, grads):
+        result[i] = g
+    return result
+
+
+@torch.library.custom_op("shardfn::local_region_backward", mutates_args=())
+def _local_region_backward(xs: List[torch.Tensor], gs: List[torch.Tensor], rid: int) -> List[torch.Tensor]:
+    return vjp_flat(region(rid), list(xs), list(gs))
+
+
+@_local_region_backward.register_fake
+def _(xs, gs, rid):
+    return [torch.empty_like(x) for x in xs]
+
+
+class _RegionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(rid, *xs):
+        return tuple(torch.ops.shardfn.local_region(list(xs), rid))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.rid = inputs[0]
+        ctx.save_for_backward(*inputs[1:])
+        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
+
+    @staticmethod
+    def backward(ctx, *gs):
+        xs = ctx.saved_tensors
+        out_meta = region(ctx.rid).out_meta or []
+        gs = [
+            g if g is not None else torch.zeros(_out_shape(ctx.rid, i, xs), dtype=out_meta[i][1])
+            for i, g in enumerate(gs)
+        ]
+        with torch.no_grad():
+            grads = torch.ops.shardfn.local_region_backward(list(xs), list(gs), ctx.rid)
+        return (None, *[g if x.is_floating_point() else None for g, x in zip(grads, xs)])
+
+
+def _out_shape(rid: int, i: int, xs) -> list[int]:
+    reg = region(rid)
+    shape = reg.out_meta[i][0]
+    mesh = current_mesh()
+    return list(shape) if mesh is None else _scale(shape, reg.out_leaf_specs[i], mesh, +1)
+
+
+def local_map(fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
+    """A per-rank region: ``fn`` runs on local shards laid out by ``in_specs`` and its outputs
+    are taken as shards under ``out_specs``.
+
+    Args:
+        fn: a function of pytrees of tensors, written for one rank's shards.
+        in_specs: a ``P`` pytree, prefix of ``fn``'s arguments tuple.
+        out_specs: a ``P`` pytree, prefix of ``fn``'s outputs.
+
+    Example:
+        f = local_map(lambda x: x * 2, in_specs=(P("dp"),), out_specs=P("dp"))
+        y = f(x)
+    """
+    reg = Region(fn, in_specs, out_specs)
+
+    def wrapped(*args):
+        if not tracing():
+            return fn(*args)
+        leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)
+        reg.in_treedef = treedef
+        reg.in_leaf_specs = broadcast_specs(in_specs, args, what="local_map in_specs")
+        if reg not in _regions:
+            _regions.append(reg)
+        rid = _regions.index(reg)
+        outs = _RegionFn.apply(rid, *leaves)
+        return optree.tree_unflatten(reg.out_treedef, list(outs))
+
+    wrapped.region = reg
+    return wrapped
+
+
+def leaf_placements(specs: list, tensors: list, names) -> list:
+    return [to_placements(s, t.ndim, names, where="local_map spec") for s, t in zip(specs, tensors)]
