@@ -68,11 +68,15 @@ def lower(
             for t, pl, meta in zip(local, in_placements, traced.in_meta)
         ]
         outs = interp.run(*dts)
+        graph = private.current_trace_graph()
+        before = len(graph.nodes)
         result = []
         for i, (o, pl) in enumerate(zip(outs, out_placements)):
             if not isinstance(o, DTensor):
                 raise ShardingError(f"output {i} is not a tensor produced by the graph")
             result.append(o.redistribute(dmesh, pl).to_local())
+        for node in list(graph.nodes)[before:]:
+            node.meta["sf_source"] = "output"  # collectives that bring outputs to out_specs
         return result
 
     example = local_inputs(traced, mesh, in_placements)

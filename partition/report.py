@@ -107,6 +107,7 @@ def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mes
     for n in global_gm.graph.nodes:
         if n.op == "output":
             lines.append(f"return {[str(a) for a in n.args[0]]}")
+            lines.extend(f"    ^ {c}" for c in emitted.get("output", []))
             continue
         pl = n.meta.get("sf_placements")
         if pl is None:

@@ -1,0 +1,214 @@
+"""Partitioner on small functions: specs, errors, parity and exact collective bytes on gloo."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn import P
+from shardfn.partition.propagate import ShardingError
+from shardfn.partition.spec import broadcast_specs, to_placements
+from shardfn.runtime.launch import spawn
+from torch.distributed.tensor import Replicate, Shard
+
+# ------------------------------------------------------------------ a two-matmul MLP train step
+
+
+def mlp_loss(p, x):
+    h = F.silu(x @ p["w1"]) * (x @ p["w3"])  # [B, S, H]
+    y = h @ p["w2"] + x                       # [B, S, D]
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+    return F.cross_entropy(y.reshape(-1, y.shape[-1]), torch.zeros(y.shape[0] * y.shape[1], dtype=torch.long))
+
+
+def make_step(grad_specs):
+    def step(p, x):
+        g, loss = torch.func.grad_and_value(mlp_loss)(p, x)
+        g = sf.constrain(g, grad_specs)
+        return {k: p[k] - 0.1 * g[k] for k in p}, loss
+
+    return step
+
+
+def mlp_data():
+    g = torch.Generator().manual_seed(0)
+    p = {k: torch.randn(*s, generator=g) for k, s in [("w1", (16, 64)), ("w3", (16, 64)), ("w2", (64, 16))]}
+    return p, torch.randn(4, 8, 16, generator=g)
+
+
+LAYOUTS = {
+    "tp2": ({"tp": 2}, {"w1": P(None, "tp"), "w3": P(None, "tp"), "w2": P("tp")}, P(), ()),
+    "dp2": ({"dp": 2}, {"w1": P(), "w3": P(), "w2": P()}, P("dp"), ()),
+    "fsdp2": ({"fsdp": 2}, {"w1": P("fsdp"), "w3": P("fsdp"), "w2": P("fsdp")}, P("fsdp"), (0,)),
+}
+
+
+def _mlp_worker(layout, backend):
+    axes, pspecs, xspec, fsdp = LAYOUTS[layout]
+    mesh = sf.Mesh(axes)
+    p, x = mlp_data()
+    step = sf.jit(make_step(pspecs), mesh, in_specs=(pspecs, xspec), out_specs=(pspecs, P()),
+                  fsdp_argnums=fsdp, backend=backend)
+    lowered = step.lower(p, x)
+    new_p, loss = step(p, x)
+    return {"loss": loss.full_tensor(), "params": {k: v.full_tensor() for k, v in new_p.items()},
+            "comm": lowered.comm_report(), "local_shape": tuple(new_p["w1"].to_local().shape)}
+
+
+# bytes: one [4, 8, 16] fp32 activation = 2048 B; each weight = 4096 B.
+EXPECTED_COMM = {
+    # Megatron: the row-parallel output is all-reduced once; x needs no gradient here.
+    "tp2": [{"op": "all_reduce", "axis": "tp", "bytes": 2048, "count": 1}],
+    # one all-reduce per gradient, plus the loss and nll's total weight (scalars).
+    "dp2": [{"op": "all_reduce", "axis": "dp", "bytes": 3 * 4096 + 8, "count": 5}],
+    # ZeRO-3: every weight gathered for the forward, w2 again for the input gradient (w1, w3
+    # are not needed backward since x has no gradient), one reduce-scatter per gradient.
+    "fsdp2": [
+        {"op": "all_gather", "axis": "fsdp", "bytes": 4 * 4096, "count": 4},
+        {"op": "all_reduce", "axis": "fsdp", "bytes": 8, "count": 2},
+        {"op": "reduce_scatter", "axis": "fsdp", "bytes": 3 * 4096, "count": 3},
+    ],
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_mlp_parity_and_bytes(layout):
+    p, x = mlp_data()
+    ref_p, ref_loss = make_step(None)(p, x)
+    out = spawn(_mlp_worker, 2, args=(layout, None), timeout_s=180)
+    for rank_out in out:
+        torch.testing.assert_close(rank_out["loss"], ref_loss, rtol=1e-5, atol=1e-6)
+        for k in ref_p:
+            torch.testing.assert_close(rank_out["params"][k], ref_p[k], rtol=1e-5, atol=1e-6)
+        assert rank_out["comm"] == EXPECTED_COMM[layout]
+    if layout == "tp2":
+        assert out[0]["local_shape"] == (16, 32)
+
+
+@pytest.mark.slow
+def test_mlp_tp2_inductor():
+    p, x = mlp_data()
+    ref_p, ref_loss = make_step(None)(p, x)
+    out = spawn(_mlp_worker, 2, args=("tp2", "inductor"), timeout_s=300)
+    torch.testing.assert_close(out[0]["loss"], ref_loss, rtol=1e-5, atol=1e-6)
+    for k in ref_p:
+        torch.testing.assert_close(out[1]["params"][k], ref_p[k], rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ local_map
+
+
+def _region(x, w):
+    return torch.tanh(x @ w)
+
+
+def region_step(w, x):
+    region = sf.local_map(_region, in_specs=(P("dp"), P()), out_specs=P("dp"))
+    g, loss = torch.func.grad_and_value(lambda w: (region(x, w) ** 2).mean())(w)
+    return w - 0.1 * g, loss
+
+
+def _local_map_worker():
+    mesh = sf.Mesh({"dp": 2})
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
+    step = sf.jit(region_step, mesh, in_specs=(P(), P("dp")), out_specs=(P(), P()), backend=None)
+    new_w, loss = step(w, x)
+    return new_w.full_tensor(), loss.full_tensor(), step.lower(w, x).comm_report()
+
+
+def test_local_map_parity():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
+    ref_w, ref_loss = region_step(w, x)
+    new_w, loss, comm = spawn(_local_map_worker, 2, timeout_s=120)[1]
+    torch.testing.assert_close(new_w, ref_w, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    # the weight's cotangent is a partial sum over dp: one all-reduce of 8x8 fp32, plus the loss
+    assert comm == [{"op": "all_reduce", "axis": "dp", "bytes": 256 + 4, "count": 2}]
+
+
+# ------------------------------------------------------------------ specs and errors
+
+
+def test_spec_translation():
+    assert to_placements(P("dp", None, "tp"), 3, ("dp", "tp")) == (Shard(0), Shard(2))
+    assert to_placements(P(("dp", "tp")), 2, ("dp", "tp")) == (Shard(0), Shard(0))
+    assert to_placements(None, 2, ("dp",)) == (Replicate(),)
+    x = torch.zeros(2)
+    assert broadcast_specs((P("dp"), None), (x, {"a": x, "b": x})) == [P("dp"), P(), P()]
+
+
+def test_spec_errors():
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'mp'.*axes \('dp', 'tp'\)"):
+        to_placements(P("mp"), 2, ("dp", "tp"))
+    with pytest.raises(ValueError, match="used twice"):
+        to_placements(P("dp", "dp"), 2, ("dp", "tp"))
+    with pytest.raises(ValueError, match="must follow the mesh order"):
+        to_placements(P(("tp", "dp")), 2, ("dp", "tp"))
+
+
+@pytest.fixture
+def fake_mesh(clean_process_group):
+    return sf.Mesh({"dp": 2, "tp": 2}, fake=True)
+
+
+def test_indivisible_dim_names_input(fake_mesh):
+    f = sf.jit(lambda w, x: x @ w, fake_mesh, in_specs=({"w": P(None, "tp")}["w"], P("dp")))
+    with pytest.raises(ValueError, match=r"input 0: dim 1 of size 3 is not divisible by mesh axes \('tp',\)"):
+        f.lower(torch.zeros(4, 3), torch.zeros(2, 4))
+
+
+def test_unknown_axis_in_in_specs(fake_mesh):
+    f = sf.jit(lambda p, x: x @ p["w"], fake_mesh, in_specs=({"w": P("mp")}, P()), arg_names=("params", "x"))
+    with pytest.raises(ValueError, match=r"input params\.w: unknown mesh axis 'mp'"):
+        f.lower({"w": torch.zeros(4, 4)}, torch.zeros(2, 4))
+
+
+def test_conflicting_constrain(fake_mesh):
+    def fn(x):
+        return sf.constrain(x, P("dp")) + sf.constrain(x, P(None, "dp"))
+
+    with pytest.raises(ShardingError, match=r"conflicting constraints on graph node 'arg0_1'.*P\('dp'\).*P\(None, 'dp'\)"):
+        sf.jit(fn, fake_mesh, in_specs=P()).lower(torch.zeros(4, 4))
+
+
+@torch.library.custom_op("shardfn_test::mystery", mutates_args=())
+def _mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_op_without_sharding_rule_names_node_and_op(fake_mesh):
+    f = sf.jit(lambda x: torch.ops.shardfn_test.mystery(x * 3), fake_mesh, in_specs=P("dp"))
+    with pytest.raises(ShardingError, match=r"graph node 'mystery'.*shardfn_test\.mystery\.default.*no sharding rule"):
+        f.lower(torch.zeros(4, 4))
+
+
+def test_mesh_world_size_mismatch(clean_process_group):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"has 4 devices but the world size is 1"):
+        sf.Mesh({"dp": 2, "tp": 2})
+
+
+def test_mesh_without_launcher_says_how(clean_process_group, monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(RuntimeError, match=r"torchrun --nproc-per-node"):
+        sf.Mesh({"dp": 2})
+
+
+def test_as_text_shows_placements_and_collectives(fake_mesh):
+    def fn(w, x):
+        return (x @ w).sum()
+
+    text = sf.jit(fn, fake_mesh, in_specs=(P("tp"), P(None, "tp"))).lower(torch.zeros(4, 4), torch.zeros(2, 4)).as_text()
+    assert "input 0 [4, 4] : tp:S(0)" in text
+    assert "tp:P(sum)" in text
+    assert "^ all_reduce[tp]" in text
