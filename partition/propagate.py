@@ -3,11 +3,12 @@
 Each node runs on DTensors, so torch's own DTensor op strategies choose its placements (the
 cheapest strategy for the inputs it is given). Three policies sit on top:
 
-1. **Partial sums stay Partial** until a consumer needs them reduced. Then the value is reduced
-   *once* (to Replicate on that mesh axis: an all-reduce) and every later consumer sees the
-   reduced value. An op that would turn a replicated operand into a Partial one (``x + partial``)
-   counts as needing the reduction, so the residual stream of a Megatron block is all-reduced
-   exactly where Megatron does it, and no value is ever split by division.
+1. **Partial sums stay Partial** through linear ops (views, sums, scaling, adding a replicated
+   value, which DTensor turns into a share of the sum without communication) until a consumer
+   needs the value reduced. Then it is reduced *once* (to Replicate on that mesh axis: one
+   all-reduce) and every later consumer sees the reduced value. So the three input-gradient
+   partial sums of separate q/k/v projections are added first and reduced together, as Megatron
+   does with a fused QKV.
 2. **Gather on use** (ZeRO-3 / FSDP): inputs named by ``fsdp_argnums`` are stored sharded over the
    ``fsdp_axes``; each *use* of such a value by a compute op all-gathers it over those axes, so
    the forward and the backward each gather it and nothing gathered lives across the two.
@@ -28,7 +29,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from shardfn.partition import _torch_private as private
-from shardfn.partition import local_map
+from shardfn.partition import local_map, rules
 from shardfn.partition.constrain import decode_spec
 from shardfn.partition.spec import check_divisible, describe, to_placements
 
@@ -61,6 +62,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
 
     def __init__(self, gm, mesh, stored: Sequence[bool], fsdp_axes: Sequence[str]):
         super().__init__(gm)
+        rules.register_all()
         self.mesh = mesh
         self.dmesh = mesh.device_mesh
         self.names = mesh.names
@@ -204,7 +206,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
         dims: set[int] = set()
         for i, w in zip(tensor_idx, wanted):
             for d, (now, want) in enumerate(zip(flat[i].placements, w.placements)):
-                if isinstance(now, Partial) != isinstance(want, Partial):
+                if isinstance(now, Partial) and not isinstance(want, Partial):
                     dims.add(d)
         if not dims:
             return args, kwargs
