@@ -14,7 +14,8 @@ cheapest strategy for the inputs it is given). Three policies sit on top:
    the forward and the backward each gather it and nothing gathered lives across the two.
    Slicing a layer out of a stacked weight (``select``) happens on the shard first. Element-wise
    ops that keep the value's shape (the optimizer update) run on the shard.
-3. **Constraints** (``sf.constrain``) redistribute to exactly their spec.
+3. **Constraints** (``sf.constrain``) redistribute to exactly their spec; so does a node whose
+   ``meta["sf_force"]`` holds placements (how the auto-sharder imposes its solution).
 
 Run it under ``make_fx`` (see ``lower``) and the DTensor ops become local ops plus functional
 collectives: that is the per-rank program.
@@ -81,6 +82,9 @@ class ShardingInterpreter(torch.fx.Interpreter):
         out = super().run_node(n)
         if n.op in ("call_function", "get_attr") and isinstance(out, torch.Tensor) and not isinstance(out, DTensor):
             out = self._replicated(out)  # factory ops (zeros, arange, ...) and constants
+        forced = n.meta.get("sf_force")
+        if forced is not None and isinstance(out, DTensor) and tuple(out.placements) != tuple(forced):
+            out = out.redistribute(self.dmesh, forced)  # a placement chosen by the auto-sharder
         placements = _placements_of(out)
         if placements is not None:
             n.meta["sf_placements"] = placements
