@@ -58,3 +58,10 @@ def local_shape(global_shape, device_mesh, placements) -> tuple[int, ...]:
 
     shape, _ = compute_local_shape_and_global_offset(global_shape, device_mesh, placements)
     return tuple(shape)
+
+
+def resolve_group(name: str):
+    """The process group registered under ``name`` (as functional collectives name groups)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)

@@ -31,6 +31,7 @@ class Region:
     fn: Callable
     in_specs: Any
     out_specs: Any
+    bwd: Callable | None = None    # bwd(inputs, outputs, output_cotangents) -> input cotangents
     in_treedef: Any = None
     out_treedef: Any = None
     in_leaf_specs: list | None = None
@@ -102,9 +103,18 @@ def _(xs, rid):
     return [torch.empty(_scale(o.shape, s, mesh, +1), dtype=o.dtype, device=o.device) for o, s in zip(outs, reg.out_leaf_specs)]
 
 
-def vjp_flat(reg: Region, xs: list, gs: list) -> list:
+def vjp_flat(reg: Region, xs: list, outs: list, gs: list) -> list:
     """Input cotangents of the region at ``xs`` for output cotangents ``gs`` (zeros for
-    integer inputs)."""
+    integer inputs). Uses the region's own ``bwd`` when it has one, else ``torch.func.vjp``
+    (which recomputes the region's forward)."""
+    if reg.bwd is not None:
+        args = optree.tree_unflatten(reg.in_treedef, list(xs))
+        out_tree = optree.tree_unflatten(reg.out_treedef, list(outs))
+        grads = reg.bwd(args, out_tree, optree.tree_unflatten(reg.out_treedef, list(gs)))
+        flat = optree.tree_leaves(grads, none_is_leaf=True) if grads is not None else [None] * len(xs)
+        if len(flat) != len(xs):
+            raise ValueError(f"local_map bwd returned {len(flat)} cotangents for {len(xs)} inputs")
+        return [torch.zeros_like(x) if g is None else g for g, x in zip(flat, xs)]
     diff = [i for i, x in enumerate(xs) if x.is_floating_point()]
 
     def f(*d):
@@ -124,12 +134,14 @@ def vjp_flat(reg: Region, xs: list, gs: list) -> list:
 
 
 @torch.library.custom_op("shardfn::local_region_backward", mutates_args=())
-def _local_region_backward(xs: List[torch.Tensor], gs: List[torch.Tensor], rid: int) -> List[torch.Tensor]:
-    return vjp_flat(region(rid), list(xs), list(gs))
+def _local_region_backward(
+    xs: List[torch.Tensor], outs: List[torch.Tensor], gs: List[torch.Tensor], rid: int
+) -> List[torch.Tensor]:
+    return vjp_flat(region(rid), list(xs), list(outs), list(gs))
 
 
 @_local_region_backward.register_fake
-def _(xs, gs, rid):
+def _(xs, outs, gs, rid):
     return [torch.empty_like(x) for x in xs]
 
 
@@ -141,19 +153,21 @@ class _RegionFn(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output):
         ctx.rid = inputs[0]
-        ctx.save_for_backward(*inputs[1:])
+        ctx.n_in = len(inputs) - 1
+        ctx.save_for_backward(*inputs[1:], *output)
         ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
 
     @staticmethod
     def backward(ctx, *gs):
-        xs = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        xs, outs = saved[: ctx.n_in], saved[ctx.n_in :]
         out_meta = region(ctx.rid).out_meta or []
         gs = [
             g if g is not None else torch.zeros(_out_shape(ctx.rid, i, xs), dtype=out_meta[i][1])
             for i, g in enumerate(gs)
         ]
         with torch.no_grad():
-            grads = torch.ops.shardfn.local_region_backward(list(xs), list(gs), ctx.rid)
+            grads = torch.ops.shardfn.local_region_backward(list(xs), list(outs), list(gs), ctx.rid)
         return (None, *[g if x.is_floating_point() else None for g, x in zip(grads, xs)])
 
 
@@ -164,7 +178,7 @@ def _out_shape(rid: int, i: int, xs) -> list[int]:
     return list(shape) if mesh is None else _scale(shape, reg.out_leaf_specs[i], mesh, +1)
 
 
-def local_map(fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
+def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | None = None) -> Callable:
     """A per-rank region: ``fn`` runs on local shards laid out by ``in_specs`` and its outputs
     are taken as shards under ``out_specs``.
 
@@ -172,12 +186,16 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any) -> Callable:
         fn: a function of pytrees of tensors, written for one rank's shards.
         in_specs: a ``P`` pytree, prefix of ``fn``'s arguments tuple.
         out_specs: a ``P`` pytree, prefix of ``fn``'s outputs.
+        bwd: optional ``bwd(inputs, outputs, output_cotangents) -> input cotangents`` on local
+            shards (None for no cotangent). Without it the backward is ``torch.func.vjp`` of
+            ``fn``, which runs ``fn`` again; give ``bwd`` when ``fn`` communicates (an MoE
+            exchange) or saves what its backward needs in its outputs.
 
     Example:
         f = local_map(lambda x: x * 2, in_specs=(P("dp"),), out_specs=P("dp"))
         y = f(x)
     """
-    reg = Region(fn, in_specs, out_specs)
+    reg = Region(fn, in_specs, out_specs, bwd)
 
     def wrapped(*args):
         if not tracing():

@@ -103,7 +103,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
         if target is torch.ops.shardfn.local_region.default:
             return self._local_region(n, args[0], args[1])
         if target is torch.ops.shardfn.local_region_backward.default:
-            return self._local_region_backward(n, args[0], args[1], args[2])
+            return self._local_region_backward(n, *args)
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)
         args, kwargs = self._gather_stored(n, target, args, kwargs)
@@ -157,11 +157,12 @@ class ShardingInterpreter(torch.fx.Interpreter):
         outs = reg.call_flat(self._to_local(xs, reg.in_leaf_specs, n))
         return self._from_local(outs, reg.out_leaf_specs, n.meta["val"])
 
-    def _local_region_backward(self, n, xs, gs, rid):
+    def _local_region_backward(self, n, xs, outs, gs, rid):
         reg = local_map.region(rid)
         local_xs = self._to_local(xs, reg.in_leaf_specs, n)
+        local_outs = self._to_local(outs, reg.out_leaf_specs, n)
         local_gs = self._to_local(gs, reg.out_leaf_specs, n)
-        grads = local_map.vjp_flat(reg, local_xs, local_gs)
+        grads = local_map.vjp_flat(reg, local_xs, local_outs, local_gs)
         # The region varies along every axis some input is split over; an input replicated
         # along such an axis gets per-rank cotangent contributions, i.e. a Partial sum there.
         varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes()}
