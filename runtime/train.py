@@ -1,0 +1,271 @@
+"""The training step as one pure function, and the loop that drives it on one device.
+
+:func:`make_train_step` builds ``train_step(params, opt_state, batch) -> (params, opt_state,
+metrics)``: forward, backward, gradient clipping and AdamW in one traceable function with no host
+syncs. It is the function the partitioner traces and shards; :func:`build_step` is the seam where
+the loop gets the callable it runs (plain or ``torch.compile``'d on one device; a partitioned
+``sf.jit`` step for a mesh). :func:`train` is the loop: data, logging, metrics and checkpoints.
+
+    cfg = load_config(None, ["train.steps=20"])
+    result = train(cfg, metrics_path="metrics.jsonl")
+    result.history[-1]["loss"]  # well below the first step's
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from shardfn.core import optim
+from shardfn.core.pytree import PyTree, count, map_with_path, tree_flatten, tree_leaves, tree_unflatten
+from shardfn.core.transforms import value_and_grad
+from shardfn.runtime import data
+
+StepFn = Callable[[PyTree, Any, dict], tuple[PyTree, Any, dict]]
+"""``train_step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+
+FROZEN_SUFFIXES = ("router_bias",)
+"""Parameters the optimizer leaves alone (the MoE router's selection bias has no gradient)."""
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def trainable_mask(params: PyTree) -> PyTree:
+    """True for every leaf the optimizer updates; False for paths ending in :data:`FROZEN_SUFFIXES`.
+
+    Example:
+        trainable_mask({"w": w, "moe_layers": {"router_bias": b}})  # {"w": True, "moe_layers": {"router_bias": False}}
+    """
+    return map_with_path(lambda path, _: not path.endswith(FROZEN_SUFFIXES), params)
+
+
+def make_optimizer(train_cfg) -> optim.GradientTransformation:
+    """Clipping (if ``grad_clip``) then AdamW on a warmup-cosine schedule, from the ``train`` section.
+
+    Leaves in :data:`FROZEN_SUFFIXES` are masked off (no update, no decay).
+
+    Example:
+        opt = make_optimizer(load_config().train)
+        opt_state = opt.init(params)
+    """
+    t = train_cfg
+    schedule = optim.warmup_cosine(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+    adamw = optim.adamw(schedule, t.b1, t.b2, t.eps, t.weight_decay, mask=trainable_mask)
+    return optim.chain(optim.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip else adamw
+
+
+def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -> StepFn:
+    """The pure training step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
+
+    One call does the loss and its gradient (``model.loss``), the optimizer update and
+    :func:`~shardfn.core.optim.apply_updates`. It reads no tensor on the host, so ``make_fx``,
+    ``torch.compile`` and the partitioner can trace it whole.
+
+    Args:
+        model: a model module (``shardfn.models.llama``): ``loss(params, batch, cfg)``.
+        model_cfg: that model's ``Config``.
+        optimizer: e.g. :func:`make_optimizer`'s.
+
+    Returns:
+        ``train_step``; its ``metrics`` are 0-d tensors: ``loss``, ``grad_norm`` (before
+        clipping) and ``lr`` (the learning rate this step used).
+
+    Example:
+        step = make_train_step(llama, cfg.model, make_optimizer(cfg.train))
+        params, opt_state, metrics = step(params, opt_state, batch)
+    """
+
+    def loss_fn(params, batch):
+        return model.loss(params, batch, model_cfg)
+
+    grad_fn = value_and_grad(loss_fn)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = grad_fn(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optim.apply_updates(params, updates)
+        clip = optim.find_state(opt_state, optim.ClipByGlobalNormState)
+        lr = optim.find_state(opt_state, optim.ScaleByLearningRateState)
+        metrics = {
+            "loss": loss.detach(),
+            "grad_norm": clip.global_norm if clip is not None else optim.global_norm(grads),
+            "lr": lr.lr if lr is not None else torch.zeros(()),
+        }
+        return params, opt_state, metrics
+
+    return train_step
+
+
+def build_step(cfg, model, optimizer: optim.GradientTransformation) -> StepFn:
+    """The step callable the loop runs for the run config ``cfg``.
+
+    On one device this is :func:`make_train_step`'s function, ``torch.compile``'d when
+    ``train.compile`` is set. This is the one place a mesh-aware step plugs in: for a mesh of more
+    than one device, return the same ``train_step`` partitioned with ``sf.jit`` (same signature,
+    global batch in, metrics out), and the loop is unchanged.
+
+    Example:
+        step = build_step(cfg, llama, make_optimizer(cfg.train))
+        params, opt_state, metrics = step(params, opt_state, batch)
+    """
+    step = make_train_step(model, cfg.model, optimizer)
+    if cfg.train.compile:
+        step = torch.compile(step)
+    return step
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+_CKPT = re.compile(r"^step_(\d{8})\.pt$")
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    return Path(directory) / f"step_{step:08d}.pt"
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The checkpoint with the most steps in ``directory``, or None.
+
+    Example:
+        latest_checkpoint("runs/checkpoints")  # PosixPath('runs/checkpoints/step_00000100.pt')
+    """
+    d = Path(directory)
+    found = sorted(p for p in d.glob("step_*.pt") if _CKPT.match(p.name)) if d.is_dir() else []
+    return found[-1] if found else None
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, params: PyTree, opt_state: Any, *, keep: int = 2) -> Path:
+    """Write ``params`` and ``opt_state`` after ``step`` steps; keep the ``keep`` newest checkpoints.
+
+    The file holds plain tensors (loadable with ``weights_only=True``); the optimizer state is
+    stored as its list of leaves and rebuilt against a freshly initialized state on load.
+
+    Example:
+        save_checkpoint("runs/checkpoints", 100, params, opt_state, keep=2)
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    path = checkpoint_path(d, step)
+    tmp = path.with_suffix(".tmp")
+    blob = {"step": step, "params": params, "opt_state": [x.detach().cpu() for x in tree_leaves(opt_state)]}
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+    old = sorted(p for p in d.glob("step_*.pt") if _CKPT.match(p.name))[:-keep]
+    for p in old:
+        p.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like: Any) -> tuple[int, PyTree, Any]:
+    """``(step, params, opt_state)`` from ``path``, with the structure, dtypes and devices of the ``_like`` trees.
+
+    Example:
+        step, params, opt_state = load_checkpoint(latest_checkpoint(d), params, opt.init(params))
+    """
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    p_leaves, p_def = tree_flatten(params_like)
+    got_leaves, got_def = tree_flatten(blob["params"])
+    if got_def != p_def:
+        raise ValueError(f"checkpoint {path} holds parameters of a different model; point "
+                         "train.checkpoint.dir at a fresh directory or load the matching config.")
+    s_leaves, s_def = tree_flatten(opt_state_like)
+    if len(blob["opt_state"]) != len(s_leaves):
+        raise ValueError(f"checkpoint {path} holds a different optimizer state; point "
+                         "train.checkpoint.dir at a fresh directory or restore the optimizer settings.")
+    for like, got in zip(p_leaves + s_leaves, got_leaves + blob["opt_state"]):
+        if like.shape != got.shape:
+            raise ValueError(f"checkpoint {path}: a tensor has shape {tuple(got.shape)}, expected {tuple(like.shape)}")
+    place = lambda got, like: got.to(device=like.device, dtype=like.dtype)  # noqa: E731
+    params = tree_unflatten(p_def, [place(g, l) for g, l in zip(got_leaves, p_leaves)])
+    opt_state = tree_unflatten(s_def, [place(g, l) for g, l in zip(blob["opt_state"], s_leaves)])
+    return int(blob["step"]), params, opt_state
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+class TrainResult(NamedTuple):
+    params: PyTree
+    opt_state: Any
+    history: list  # one dict per step run: step, loss, grad_norm, lr, tokens_per_s, time_s
+    seconds: float  # wall time of the loop (compilation included)
+
+
+def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str], Any] = print) -> TrainResult:
+    """Train ``cfg.model`` for ``cfg.train.steps`` steps on one device.
+
+    Resumes from the newest checkpoint in ``train.checkpoint.dir`` when checkpointing is on.
+
+    Args:
+        cfg: a :class:`~shardfn.core.config.RunConfig`.
+        metrics_path: if given, one JSON object per step is written there
+            (``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``time_s``).
+        log: where progress lines go (every ``train.log_every`` steps, and the first and last).
+
+    Returns:
+        A :class:`TrainResult` with the final parameters and optimizer state and the per-step metrics.
+
+    Example:
+        result = train(load_config(None, ["train.steps=20"]), metrics_path="m.jsonl")
+        [m["loss"] for m in result.history]
+    """
+    from shardfn import models
+
+    t = cfg.train
+    device = torch.device(cfg.runtime.device)
+    model = models.get(cfg.model_name)
+    params = model.init(cfg.model, t.seed, device=device)
+    optimizer = make_optimizer(t)
+    opt_state = optimizer.init(params)
+    start = 0
+    ckpt = t.checkpoint
+    if ckpt.every:
+        found = latest_checkpoint(ckpt.dir)
+        if found is not None:
+            start, params, opt_state = load_checkpoint(found, params, opt_state)
+            log(f"resuming from {found} (step {start})")
+    step_fn = build_step(cfg, model, optimizer)
+    tokens = data.from_config(cfg.data)
+
+    log(f"{cfg.model_name}: {count(params):,} params on {device}, mesh world size {cfg.mesh.world_size}, "
+        f"batch {t.batch_size}x{t.seq_len}, steps {start}->{t.steps}{', compiled' if t.compile else ''}")
+    history: list[dict] = []
+    sink = open(metrics_path, "a" if start else "w") if metrics_path else None
+    loop_start = time.perf_counter()
+    try:
+        for step in range(start, t.steps):
+            batch = data.get_batch(tokens, step, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, device=device)
+            tic = time.perf_counter()
+            params, opt_state, metrics = step_fn(params, opt_state, batch)
+            values = {k: float(v) for k, v in metrics.items()}  # the one host sync per step
+            seconds = time.perf_counter() - tic
+            record = {"step": step + 1, **values, "tokens_per_s": t.tokens_per_step / seconds, "time_s": seconds}
+            history.append(record)
+            if sink:
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+            if not math.isfinite(values["loss"]):
+                raise FloatingPointError(f"loss is {values['loss']} at step {step + 1}; lower train.lr or set train.grad_clip")
+            done = step + 1
+            if done == start + 1 or done % t.log_every == 0 or done == t.steps:
+                window = history[-min(len(history), t.log_every):]
+                tps = t.tokens_per_step * len(window) / sum(r["time_s"] for r in window)
+                log(f"step {done:>{len(str(t.steps))}}/{t.steps}  loss {values['loss']:.4f}  "
+                    f"lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}  tok/s {tps:,.0f}")
+            if ckpt.every and (done % ckpt.every == 0 or done == t.steps):
+                save_checkpoint(ckpt.dir, done, params, opt_state, keep=ckpt.keep)
+    finally:
+        if sink:
+            sink.close()
+    seconds = time.perf_counter() - loop_start
+    if history:
+        log(f"done: {len(history)} steps in {seconds:.1f}s, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
+    return TrainResult(params, opt_state, history, seconds)
