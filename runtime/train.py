@@ -104,18 +104,20 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -
     return train_step
 
 
-def build_step(cfg, model, optimizer: optim.GradientTransformation) -> StepFn:
+def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTree, opt_state: Any) -> StepFn:
     """The step callable the loop runs for the run config ``cfg``.
 
     On one device this is :func:`make_train_step`'s function, ``torch.compile``'d when
     ``train.compile`` is set. This is the one place a mesh-aware step plugs in: for a mesh of more
     than one device, return the same ``train_step`` partitioned with ``sf.jit`` (same signature,
-    global batch in, metrics out), and the loop is unchanged.
+    global batch in, metrics out; ``params`` and ``opt_state`` are the initial values, for
+    deriving their specs), and the loop is unchanged.
 
     Example:
-        step = build_step(cfg, llama, make_optimizer(cfg.train))
+        step = build_step(cfg, llama, opt, params, opt.init(params))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
+    del params, opt_state  # one device: no layout to derive
     step = make_train_step(model, cfg.model, optimizer)
     if cfg.train.compile:
         step = torch.compile(step)
@@ -232,7 +234,7 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
         if found is not None:
             start, params, opt_state = load_checkpoint(found, params, opt_state)
             log(f"resuming from {found} (step {start})")
-    step_fn = build_step(cfg, model, optimizer)
+    step_fn = build_step(cfg, model, optimizer, params, opt_state)
     tokens = data.from_config(cfg.data)
 
     log(f"{cfg.model_name}: {count(params):,} params on {device}, mesh world size {cfg.mesh.world_size}, "
