@@ -40,6 +40,9 @@ aten = torch.ops.aten
 _SLICING_OPS = {aten.select.int, aten.slice.Tensor}
 
 
+_CONSTANT_COPIES = {aten.lift_fresh_copy.default, aten.lift_fresh.default}
+
+
 class ShardingError(ValueError):
     """A node of the traced graph cannot be sharded as asked; the message names the node."""
 
@@ -106,6 +109,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
             return self._local_region_backward(n, *args)
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)
+        if target in _CONSTANT_COPIES:
+            return args[0]  # a constant captured by the trace: already a replicated value
         args, kwargs = self._gather_stored(n, target, args, kwargs)
         args, kwargs = self._reduce_partials(n, target, args, kwargs)
         try:

@@ -1,0 +1,1173 @@
+"""Auto-sharding: choose every input spec and every node's placements with a cost model and an ILP.
+
+The traced joint graph (forward, backward, optimizer) is one FX graph at global shapes. For each
+node, torch's DTensor op strategies list every way the op can run (output and input placements);
+each input may be stored in any placement that divides it. A 0/1 integer linear program picks
+one strategy per node so that the estimated step time -- compute, partial-sum reductions and
+redistributions between producers and consumers -- is smallest while the bytes per rank fit the
+memory budget (Alpa / meta-pytorch autoparallel formulation, solved with HiGHS through
+``scipy.optimize.milp``). Nodes that play the same role in repeated layers share one choice.
+
+    traced = trace(train_step, (params, batch))
+    result = solve(traced, mesh, memory_budget=40e9, hardware="h100")
+    print(result.summary()); print(result.to_rules_yaml(arg_names=("params", "batch")))
+    in_specs = apply(traced, result)     # imposes the plan on the graph (node.meta["sf_force"])
+
+Or in one call, trace -> solve -> apply -> lower: ``step, result = jit_auto(train_step, mesh,
+(params, batch))`` and then ``step(params, batch)``. See docs/autoshard.md for the formulation.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import numpy as np
+import optree
+import torch
+import yaml
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx.node import map_arg
+
+from shardfn.partition import _strategies as strategies
+from shardfn.partition import constrain as _constrain_ops  # noqa: F401  (registers shardfn::constrain)
+from shardfn.partition import local_map as _local_map_ops  # noqa: F401  (registers shardfn::local_region)
+from shardfn.partition.cost import CostModel, Transition, is_view
+from shardfn.partition.hardware import Hardware, load_hardware
+from shardfn.partition.spec import AUTO, P, broadcast_specs, describe, to_placements, to_spec
+from shardfn.partition.trace import Traced
+
+aten = torch.ops.aten
+
+_TIE_ROUNDS = 3        # neighbourhood radius (in graph hops) that must match for two nodes to tie
+_MEMORY_ROUNDS = 8     # at most this many memory cuts are added after the first solve
+_US = 1e6              # the ILP's objective is in microseconds (keeps HiGHS' tolerances sane)
+_GIB = float(1 << 30)  # and its memory rows in GiB
+_DISP = False
+_SMALL_TABLE = 64      # edges with at most this many placement pairs keep all of them
+
+
+class Cost(NamedTuple):
+    """An estimated step on one rank. Seconds do not overlap (a conservative sum)."""
+
+    compute_s: float    # FLOPs / peak + bytes / HBM bandwidth, over every op
+    comm_s: float       # reducing partial sums: all-reduce, reduce-scatter
+    reshard_s: float    # moving values between layouts: all-gather, all-to-all
+    memory_bytes: int   # peak bytes per rank (inputs + live values)
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.reshard_s
+
+
+class Reshard(NamedTuple):
+    """A value redistributed on its way to one consumer (``arg``: index among its tensor inputs)."""
+
+    producer: str
+    consumer: str
+    arg: int
+    src: tuple
+    dst: tuple
+    transition: Transition
+
+
+# ============================================================================ graph analysis
+
+
+class _Problem:
+    """The traced graph as an assignment problem: candidates, costs, tied classes, ILP matrices.
+
+    Built once per (graph, mesh, hardware); :meth:`solve` runs for any fixed inputs and budget.
+    """
+
+    def __init__(self, traced: Traced, mesh, hardware: Hardware, *, tie_layers: bool):
+        from shardfn.partition import rules
+
+        rules.register_all()  # shardfn's own DTensor rules (CPU fused attention)
+        t0 = time.perf_counter()
+        self.traced = traced
+        self.mesh = mesh
+        self.names = tuple(mesh.names)
+        self.mesh_shape = tuple(mesh.shape)
+        self.dmesh = mesh.device_mesh
+        self.model = CostModel(self.mesh_shape, hardware)
+        gm = traced.graph_module
+        self.nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        self.output = next(n for n in gm.graph.nodes if n.op == "output")
+        self.index = {n: i for i, n in enumerate(self.nodes)}
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self._interned: dict = {}
+        self._cache: dict = {}
+        self._pairs: dict = {}
+        self._analyse()
+        self._tie(tie_layers)
+        self._build()
+        self.build_s = time.perf_counter() - t0
+
+    # -- per-node candidates -----------------------------------------------------------------
+    def _norm(self, pl):
+        """Placements on size-1 mesh dims are all the same: call them Replicate."""
+        if pl is None:
+            return None
+        if pl and isinstance(pl[0], (tuple, type(None))):
+            return tuple(self._norm(p) for p in pl)
+        return tuple(Replicate() if size == 1 else p for p, size in zip(pl, self.mesh_shape))
+
+    def _intern(self, value):
+        return self._interned.setdefault(value, value)
+
+    def _analyse(self) -> None:
+        """Candidates per node. *Owners* have their own choice; a getitem takes its tuple
+        producer's choice; a *follower* -- an op with one input that has several options, which
+        it can take as they are, whatever they are (views, casts, element-wise ops, reductions)
+        -- runs the strategy that reads that input as it is. Followers and getitems add no
+        variables, and their values' placements are functions of their owner's choice."""
+        n_nodes = len(self.nodes)
+        self.val: list = [None] * n_nodes
+        self.owner = list(range(n_nodes))     # the node whose choice decides this value
+        self.item: list = [None] * n_nodes    # getitem's index
+        self.follow: dict[int, tuple] = {}    # follower -> (input, strategy per input option)
+        self.inputs: list[list[int]] = [[] for _ in range(n_nodes)]
+        self.strats: dict[int, tuple] = {}    # owner -> Strategy tuple
+        self.compute: dict[int, np.ndarray] = {}  # owner -> seconds per strategy (followers included)
+        self.opts: list = [None] * n_nodes    # distinct output placements of each value
+        self.out_map: list = [None] * n_nodes  # owner strategy -> index in opts
+        replicated = (Replicate(),) * len(self.mesh_shape)
+        for i, n in enumerate(self.nodes):
+            self.val[i] = n.meta.get("val") if n.op != "get_attr" else getattr(self.traced.graph_module, n.target)
+            self.inputs[i] = [self.index[a] for a in _node_args(n)]
+            if n.op == "call_function" and n.target is operator.getitem:
+                src = self.inputs[i][0]
+                self.owner[i] = self.owner[src]
+                self.item[i] = n.args[1]
+                outs = [o[n.args[1]] if o is not None else None for o in self.opts[src]]
+                self._set_outputs(i, outs, self.out_map[src])
+                continue
+            strats, compute = self._candidates(i, n, replicated)
+            if self._try_follow(i, n, strats, compute):
+                continue
+            self.strats[i] = strats
+            self.compute[i] = compute
+            self._set_outputs(i, [s.out for s in strats], np.arange(len(strats)))
+
+    def _set_outputs(self, i: int, outs: list, through: np.ndarray) -> None:
+        """Value ``i`` has placement ``outs[j]`` when its owner's strategy maps to ``j`` via
+        ``through`` (owner strategy -> j)."""
+        opts = tuple(dict.fromkeys(outs))
+        index = {p: j for j, p in enumerate(opts)}
+        self.opts[i] = self._intern(opts)
+        self.out_map[i] = np.array([index[p] for p in outs], dtype=np.int64)[through]
+
+    def _try_follow(self, i: int, n: torch.fx.Node, strats: tuple, compute: np.ndarray) -> bool:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+            return False
+        if not isinstance(self.val[i], torch.Tensor) or n.target is torch.ops.shardfn.constrain.default:
+            return False
+        ins = self.inputs[i]
+        multi = [j for j in ins if len(self.opts[j]) > 1]
+        if len(multi) != 1:
+            return False
+        u = multi[0]
+        k = ins.index(u)
+        fixed = {j: self.opts[ins[j]][0] for j in range(len(ins)) if j != k}
+        usable = [(s, c) for s, c in zip(strats, compute) if all(s.ins[j] == p for j, p in fixed.items())]
+        if not usable:
+            return False
+        best: dict = {}
+        for s, c in usable:
+            a = s.ins[k]
+            if a not in best or c < best[a][1]:
+                best[a] = (s, c)
+        val = self.val[u]
+        per_opt = []
+        for a in self.opts[u]:
+            if a in best:
+                per_opt.append(best[a])
+                continue
+            # an option the op cannot read as it is: redistribute to the cheapest one it can
+            s, c = min(usable, key=lambda sc: sc[1] + self.model.transition(val, a, sc[0].ins[k]).seconds)
+            per_opt.append((s, c + self.model.transition(val, a, s.ins[k]).seconds))
+        o = self.owner[u]
+        self.owner[i] = o
+        self.follow[i] = (u, tuple(s for s, _ in per_opt))
+        self.compute[o] = self.compute[o] + np.array([c for _, c in per_opt])[self.out_map[u]]
+        self._set_outputs(i, [s.out for s, _ in per_opt], self.out_map[u])
+        return True
+
+    def _candidates(self, i: int, n: torch.fx.Node, replicated: tuple):
+        val = self.val[i]
+        if n.op == "placeholder":
+            opts = strategies.placement_options(val.shape, self.mesh_shape)
+            return self._intern(tuple(strategies.Strategy(p, ()) for p in opts)), np.zeros(len(opts))
+        target = n.target
+        if n.op == "get_attr" or not self.inputs[i]:
+            out = replicated if isinstance(val, torch.Tensor) else tuple(replicated if isinstance(v, torch.Tensor) else None for v in val)
+            return (strategies.Strategy(out, ()),), np.zeros(1)
+        key = self._key(n)
+        hit = self._cache.get(key) if key is not None else None
+        if hit is not None:
+            return hit
+        if target is torch.ops.shardfn.constrain.default:
+            from shardfn.partition.constrain import decode_spec
+
+            pl = self._norm(to_placements(decode_spec(n.args[1]), val.ndim, self.names, where=f"sf.constrain at {n.name}"))
+            found = (strategies.Strategy(pl, (pl,)),)
+        elif target is torch.ops.shardfn.pipeline_split.default:
+            found = tuple(strategies.Strategy(p, (p,)) for p in self.opts[self.inputs[i][0]])
+        elif target in (torch.ops.shardfn.local_region.default, torch.ops.shardfn.local_region_backward.default):
+            found = (self._region_strategy(n),)
+        else:
+            found = self._dtensor_strategies(i, n, replicated)
+        args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.val[self.index[a]])
+        compute = np.array([self.model.compute_time(target, args, kwargs, val, s.ins, s.out) if isinstance(target, torch._ops.OpOverload) else 0.0 for s in found])
+        found = self._intern(found)
+        if key is not None:
+            self._cache[key] = (found, compute)
+        return found, compute
+
+    def _key(self, n: torch.fx.Node):
+        """Cache key: the op and its arguments, tensors by (shape, dtype, stride, options)."""
+        def conv(a):
+            i = self.index[a]
+            v = self.val[i]
+            return ("T", tuple(v.shape), v.dtype, tuple(v.stride()), id(self.opts[i]))
+
+        try:
+            key = (n.target, _freeze(map_arg((n.args, n.kwargs), conv)), tuple(self.val[self.index[n]].shape) if isinstance(self.val[self.index[n]], torch.Tensor) else None)
+            hash(key)
+            return key
+        except TypeError:
+            return None
+
+    def _dtensor_strategies(self, i: int, n: torch.fx.Node, replicated: tuple) -> tuple:
+        def targ(a):
+            j = self.index[a]
+            opts = self.opts[j]
+            if replicated not in opts:
+                opts = opts + (replicated,)  # a replicated copy is always reachable
+            return strategies.TensorArg(self.val[j], [p for p in opts if p is not None and not _has_partial(p)] + [p for p in opts if p is not None and _has_partial(p)])
+
+        args, kwargs = map_arg((n.args, n.kwargs), targ)
+        try:
+            found = strategies.op_strategies(n.target, args, kwargs, self.dmesh, self.val[i])
+        except strategies.NoStrategy as e:
+            raise ValueError(
+                f"auto-sharding: graph node {n.name!r} ({n.target}) has no DTensor sharding strategy ({e}); "
+                f"register one with torch.distributed.tensor.experimental.register_sharding, wrap the code "
+                f"in sf.local_map, or pin its input with sf.constrain"
+            ) from None
+        in_shapes = [self.val[j].shape for j in self.inputs[i]]
+        out_val = self.val[i]
+        keep = []
+        for s in found:
+            ins = tuple(self._norm(p) for p in s.ins)
+            out = self._norm(s.out)
+            if any(_strided(p) for p in ins) or _strided_out(out):
+                continue
+            if not all(strategies.divides(shape, p, self.mesh_shape) for shape, p in zip(in_shapes, ins)):
+                continue
+            if not _out_divides(out_val, out, self.mesh_shape):
+                continue
+            keep.append(strategies.Strategy(out, ins))
+        keep = tuple(dict.fromkeys(keep))
+        if not keep:
+            raise ValueError(f"auto-sharding: no evenly divisible strategy for graph node {n.name!r} ({n.target})")
+        return keep
+
+    def _region_strategy(self, n: torch.fx.Node):
+        from shardfn.partition import local_map
+
+        reg = local_map.region(n.args[-1])
+        xs = [self.val[self.index[a]] for a in n.args[0]]
+
+        def pls(specs, vals):
+            return [self._norm(to_placements(s, v.ndim, self.names, where=f"sf.local_map at {n.name}")) for s, v in zip(specs, vals)]
+
+        if n.target is torch.ops.shardfn.local_region.default:
+            ins = pls(reg.in_leaf_specs, xs)
+            outs = pls(reg.out_leaf_specs, self.val[self.index[n]])
+            return strategies.Strategy(tuple(outs), tuple(ins))
+        outs_v = [self.val[self.index[a]] for a in n.args[1]]
+        gs_v = [self.val[self.index[a]] for a in n.args[2]]
+        ins = pls(reg.in_leaf_specs, xs) + pls(reg.out_leaf_specs, outs_v) + pls(reg.out_leaf_specs, gs_v)
+        varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes()}
+        grads = []
+        for spec, v in zip(reg.in_leaf_specs, xs):
+            pl = list(to_placements(spec, v.ndim, self.names, where="sf.local_map cotangent"))
+            grads.append(self._norm(tuple(Partial() if d in varying and isinstance(p, Replicate) else p for d, p in enumerate(pl))))
+        return strategies.Strategy(tuple(grads), tuple(ins))
+
+    # -- tying repeated layers ---------------------------------------------------------------
+    def _tie(self, tie_layers: bool) -> None:
+        """Owners with the same local structure (op, shapes and constants within
+        ``_TIE_ROUNDS`` hops, both directions) and the same candidates share one class."""
+        owners = sorted(self.strats)
+        if not tie_layers:
+            self.cls = {o: c for c, o in enumerate(owners)}
+        else:
+            colour = self._colours()
+            keys: dict = {}
+            self.cls = {}
+            for o in owners:
+                n = self.nodes[o]
+                key = ("own", o) if n.op == "placeholder" else (colour[o], id(self.strats[o]), np.round(self.compute[o] * _US, 6).tobytes())
+                self.cls[o] = keys.setdefault(key, len(keys))
+        self.n_classes = max(self.cls.values()) + 1 if self.cls else 0
+        self.members: list[list[int]] = [[] for _ in range(self.n_classes)]
+        for o, c in self.cls.items():
+            self.members[c].append(o)
+        self.rep = [m[0] for m in self.members]
+
+    def _colours(self) -> list[int]:
+        users: list[list[tuple[int, int]]] = [[] for _ in self.nodes]
+        for i in range(len(self.nodes)):
+            for k, j in enumerate(self.inputs[i]):
+                users[j].append((i, k))
+        for k, a in enumerate(_node_args(self.output)):
+            users[self.index[a]].append((-1, k))
+        colour = [hash(_base_colour(n, self.val[i])) for i, n in enumerate(self.nodes)]
+        for _ in range(_TIE_ROUNDS):
+            new = []
+            for i, n in enumerate(self.nodes):
+                ins = self.inputs[i]
+                us = sorted((colour[u] if u >= 0 else -1, k) for u, k in users[i])
+                new.append(hash((colour[i], tuple(colour[j] for j in ins), tuple(us))))
+            colour = new
+        return colour
+
+    # -- the ILP -----------------------------------------------------------------------------
+    def _build(self) -> None:
+        """Objective and one-hot / edge-consistency constraints (fixed across solves)."""
+        self.offset = np.zeros(self.n_classes + 1, dtype=np.int64)
+        for c in range(self.n_classes):
+            self.offset[c + 1] = self.offset[c] + len(self.strats[self.rep[c]])
+        n_x = int(self.offset[-1])
+        cost = np.zeros(n_x)
+        for c, members in enumerate(self.members):
+            cost[self.offset[c]:self.offset[c + 1]] += len(members) * self.compute[self.rep[c]] * _US
+        self.forbid = np.zeros(n_x, dtype=bool)
+        rows: list[np.ndarray] = []
+        cols: list[np.ndarray] = []
+        data: list[np.ndarray] = []
+        n_rows = 0
+        # one-hot: sum_s x[c, s] = 1
+        for c in range(self.n_classes):
+            k = self.offset[c + 1] - self.offset[c]
+            rows.append(np.full(k, n_rows))
+            cols.append(np.arange(self.offset[c], self.offset[c + 1]))
+            data.append(np.ones(k))
+            n_rows += 1
+        self.n_onehot = n_rows
+        # edges, grouped by (producer class, getitem index, consumer class, arg) or sink target
+        groups: dict = {}
+        for v in self.strats:
+            for k, u in enumerate(self.inputs[v]):
+                key = (self.cls[self.owner[u]], self._vsig(u), "arg", self.cls[v], k)
+                groups.setdefault(key, [u, v, k, 0])[3] += 1
+        self.sinks = self._sinks()
+        for j, (u, target) in enumerate(self.sinks):
+            key = (self.cls[self.owner[u]], self._vsig(u), "sink", target if not isinstance(target, int) else ("ph", self.cls[target]))
+            groups.setdefault(key, [u, target, j, 0])[3] += 1
+        y_cost: list[float] = []
+        n_y = 0
+        for key, (u, v, k, mult) in groups.items():
+            cu = self.cls[self.owner[u]]
+            src_opts = self.opts[u]
+            src_map = self.out_map[u]
+            if key[2] == "arg":
+                cv = self.cls[v]
+                needs = [s.ins[k] for s in self.strats[v]]
+            elif isinstance(v, int):  # mirrored output: the placeholder's own choice
+                cv = self.cls[v]
+                needs = [s.out for s in self.strats[v]]
+            else:
+                cv = None
+                needs = [v]
+            dst_opts = tuple(dict.fromkeys(needs))
+            dst_index = {p: j for j, p in enumerate(dst_opts)}
+            dst_map = np.array([dst_index[p] for p in needs], dtype=np.int64)
+            val = self.val[u]
+            table = np.array([[self.model.transition(val, a, b).seconds for b in dst_opts] for a in src_opts]) * mult * _US
+            xs_u = np.arange(self.offset[cu], self.offset[cu + 1])
+            if cv is None or len(dst_opts) == 1:  # the need is fixed: linear in the producer's choice
+                self._linear(cost, xs_u, table[src_map, 0])
+                continue
+            xs_v = np.arange(self.offset[cv], self.offset[cv + 1])
+            if len(src_opts) == 1:  # the producer is fixed: linear in the consumer's choice
+                self._linear(cost, xs_v, table[0, dst_map])
+                continue
+            # transport: y[a, b] >= 0 with rows summing to the producer's choice and columns to
+            # the consumer's; only finite pairs get a variable
+            finite = np.argwhere(np.isfinite(table) & self._allowed(src_opts, dst_opts))
+            ids = n_x + n_y + np.arange(len(finite))
+            y_cost.extend(table[finite[:, 0], finite[:, 1]].tolist())
+            n_y += len(finite)
+            for a in range(len(src_opts)):
+                sel = ids[finite[:, 0] == a]
+                xsel = xs_u[src_map == a]
+                rows.append(np.full(len(sel) + len(xsel), n_rows))
+                cols.append(np.concatenate([sel, xsel]))
+                data.append(np.concatenate([np.ones(len(sel)), -np.ones(len(xsel))]))
+                n_rows += 1
+            for b in range(len(dst_opts)):
+                sel = ids[finite[:, 1] == b]
+                xsel = xs_v[dst_map == b]
+                rows.append(np.full(len(sel) + len(xsel), n_rows))
+                cols.append(np.concatenate([sel, xsel]))
+                data.append(np.concatenate([np.ones(len(sel)), -np.ones(len(xsel))]))
+                n_rows += 1
+        self.n_x, self.n_y, self.n_rows = n_x, n_y, n_rows
+        self.c = np.concatenate([cost, np.array(y_cost)])
+        self.forbid |= ~np.isfinite(cost)
+        self.c[: n_x][self.forbid] = 0.0
+        self.rows = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        self.cols = np.concatenate(cols) if cols else np.zeros(0, dtype=np.int64)
+        self.data = np.concatenate(data) if data else np.zeros(0)
+        self.rhs = np.zeros(n_rows)
+        self.rhs[: self.n_onehot] = 1.0
+        self._liveness()
+
+    def _allowed(self, src_opts: tuple, dst_opts: tuple) -> np.ndarray:
+        """Which (producer, consumer) placement pairs an edge may use: all of them for small
+        tables; for large ones, moves that change one mesh dim, or that start or end
+        replicated (every consumer has an all-replicated strategy, so a plan always exists)."""
+        if len(src_opts) * len(dst_opts) <= _SMALL_TABLE:
+            return np.ones((len(src_opts), len(dst_opts)), dtype=bool)
+        key = (id(src_opts), id(dst_opts))
+        hit = self._pairs.get(key)
+        if hit is None:
+            rep = (Replicate(),) * len(self.mesh_shape)
+            hit = np.array([[a == rep or b == rep or sum(x != y for x, y in zip(a, b)) <= 1 for b in dst_opts]
+                            for a in src_opts], dtype=bool)
+            self._pairs[key] = hit
+        return hit
+
+    def _vsig(self, u: int) -> tuple:
+        """What identifies value ``u`` within its owner's class: shape and placement map."""
+        v = self.val[u]
+        return (tuple(v.shape), v.dtype, id(self.opts[u]), self.out_map[u].tobytes())
+
+    def _linear(self, cost: np.ndarray, xs: np.ndarray, per: np.ndarray) -> None:
+        inf = ~np.isfinite(per)
+        self.forbid[xs[inf]] = True
+        cost[xs[~inf]] += per[~inf]
+
+    def _sinks(self) -> list:
+        """Per output leaf: (value index, what it must become). An output that mirrors an input
+        (same path, shape and dtype: the new params of a train step) must come back in that
+        input's placement; every other output is returned replicated."""
+        out_nodes = list(_node_args(self.output))
+        paths = [".".join(str(k) for k in p) for p in optree.treespec_paths(self.traced.out_treedef)]
+        by_path = {p: ph for p, ph in zip(self.traced.in_paths, self.placeholders)}
+        sinks = []
+        for node, path in zip(out_nodes, paths):
+            u = self.index[node]
+            ph = by_path.get(path)
+            val = self.val[u]
+            if ph is not None and tuple(ph.meta["val"].shape) == tuple(val.shape) and ph.meta["val"].dtype == val.dtype:
+                sinks.append((u, self.index[ph]))
+            else:
+                sinks.append((u, (Replicate(),) * len(self.mesh_shape)))
+        return sinks
+
+    # -- memory ------------------------------------------------------------------------------
+    def _liveness(self) -> None:
+        """Each value's lifetime [def, last use]; inputs and outputs live for the whole step;
+        views are free but keep their base alive."""
+        n = len(self.nodes)
+        last = np.arange(n)
+        for i in range(n):
+            for j in self.inputs[i]:
+                last[j] = max(last[j], i)
+        for u, _ in self.sinks:
+            last[u] = n
+        for i in reversed(range(n)):
+            node = self.nodes[i]
+            if node.op == "call_function" and is_view(node.target) and self.inputs[i]:
+                base = self.inputs[i][0]
+                last[base] = max(last[base], last[i])
+        for ph in self.placeholders:
+            last[self.index[ph]] = n
+        self.last = last
+        self.holds = []  # value indices that own memory
+        for i, node in enumerate(self.nodes):
+            val = self.val[i]
+            if not isinstance(val, torch.Tensor):
+                continue
+            if node.op == "call_function" and is_view(node.target):
+                continue
+            self.holds.append(i)
+        self._bytes: dict[int, np.ndarray] = {}
+
+    def value_bytes(self, i: int) -> np.ndarray:
+        """Bytes per rank of value ``i`` under each of its owner's strategies."""
+        hit = self._bytes.get(i)
+        if hit is None:
+            val = self.val[i]
+            per_opt = np.array([self.model.local_bytes(val, p) for p in self.opts[i]], dtype=float)
+            hit = self._bytes[i] = per_opt[self.out_map[i]]
+        return hit
+
+    def live_at(self, t: int) -> list[int]:
+        return [i for i in self.holds if i <= t <= self.last[i]]
+
+    def memory_row(self, t: int) -> np.ndarray:
+        """Coefficients (GiB) of the live bytes at step ``t`` over the x variables."""
+        row = np.zeros(self.n_x)
+        for i in self.live_at(t):
+            o = self.owner[i]
+            c = self.cls[o]
+            row[self.offset[c]:self.offset[c + 1]] += self.value_bytes(i) / _GIB
+        return row
+
+    def peak(self, choice: dict[int, int]) -> tuple[int, int]:
+        """``(peak bytes, step index)`` under a choice of strategy per owner."""
+        n = len(self.nodes)
+        delta = np.zeros(n + 2)
+        for i in self.holds:
+            b = self.value_bytes(i)[choice[self.owner[i]]]
+            delta[i] += b
+            delta[self.last[i] + 1] -= b
+        live = np.cumsum(delta)[: n + 1]
+        t = int(np.argmax(live))
+        return int(live[t]), t
+
+    def reference_peaks(self) -> list[int]:
+        """Where memory peaks under the all-replicated and under the most-sharded choice."""
+        sizes = {o: np.zeros(len(st)) for o, st in self.strats.items()}
+        for i in self.holds:
+            sizes[self.owner[i]] += self.value_bytes(i)
+        out = {self.peak({o: int(pick(v)) for o, v in sizes.items()})[1] for pick in (np.argmax, np.argmin)}
+        return sorted(out)
+
+    # -- solving -----------------------------------------------------------------------------
+    def solve(self, fixed: list, budget: float | None, time_limit_s: float) -> "_Solution":
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import csr_matrix
+
+        t0 = time.perf_counter()
+        n_var = self.n_x + self.n_y
+        ub = np.ones(n_var)
+        ub[self.n_x:] = np.inf
+        ub[: self.n_x][self.forbid] = 0
+        for ph, path, spec in zip(self.placeholders, self.traced.in_paths, fixed):
+            if spec is None:
+                continue
+            i = self.index[ph]
+            c = self.cls[i]
+            want = self._norm(to_placements(spec, self.val[i].ndim, self.names, where=f"fixed_specs for input {path!r}"))
+            allowed = [s.out == want for s in self.strats[i]]
+            if not any(allowed):
+                raise ValueError(
+                    f"fixed_specs for input {path!r}: {spec!r} does not divide its shape {tuple(self.val[i].shape)} "
+                    f"over the mesh {dict(zip(self.names, self.mesh_shape))}; pick a spec whose axes divide each dim"
+                )
+            ub[self.offset[c]:self.offset[c + 1]][~np.array(allowed)] = 0
+        integrality = np.zeros(n_var)
+        integrality[: self.n_x] = 1
+        a_eq = csr_matrix((self.data, (self.rows, self.cols)), shape=(self.n_rows, n_var))
+        cuts: list[int] = self.reference_peaks() if budget is not None else []
+        status = "optimal"
+        for round_ in range(_MEMORY_ROUNDS + 1):
+            constraints = [LinearConstraint(a_eq, self.rhs, self.rhs)]
+            if cuts:
+                mem = np.array([self.memory_row(t) for t in cuts])
+                mem = np.hstack([mem, np.zeros((len(cuts), self.n_y))])
+                constraints.append(LinearConstraint(csr_matrix(mem), -np.inf, budget / _GIB))
+            left = max(0.5, time_limit_s - (time.perf_counter() - t0))
+            res = milp(self.c, integrality=integrality, bounds=Bounds(np.zeros(n_var), ub),
+                       constraints=constraints, options={"time_limit": left, "disp": _DISP})
+            if res.x is None:
+                if res.status == 2:
+                    return _Solution(None, "infeasible", time.perf_counter() - t0, res.message)
+                return _Solution(None, "time_limit", time.perf_counter() - t0, res.message)
+            status = "optimal" if res.status == 0 else "time_limit"
+            choice = self._decode(res.x)
+            if budget is None:
+                break
+            peak, t = self.peak(choice)
+            if peak <= budget * (1 + 1e-9) or t in cuts or status != "optimal":
+                break
+            cuts.append(t)
+        return _Solution(choice, status, time.perf_counter() - t0, res.message, objective=res.fun / _US,
+                         n_cuts=len(cuts))
+
+    def _decode(self, x: np.ndarray) -> dict[int, int]:
+        choice = {}
+        for c, members in enumerate(self.members):
+            s = int(np.argmax(x[self.offset[c]:self.offset[c + 1]]))
+            for o in members:
+                choice[o] = s
+        return choice
+
+    # -- evaluating a choice ------------------------------------------------------------------
+    def out_placement(self, i: int, choice: dict[int, int]):
+        return self.opts[i][self.out_map[i][choice[self.owner[i]]]]
+
+    def evaluate(self, choice: dict[int, int]) -> tuple[Cost, list[Reshard], list]:
+        compute = sum(float(self.compute[o][s]) for o, s in choice.items())
+        comm = reshard = 0.0
+        moves: list[Reshard] = []
+        for v, ins in enumerate(self.inputs):
+            if v not in self.strats:
+                continue
+            need = self.strats[v][choice[v]].ins
+            for k, u in enumerate(ins):
+                src = self.out_placement(u, choice)
+                if src != need[k]:
+                    tr = self.model.transition(self.val[u], src, need[k])
+                    comm += tr.comm_s
+                    reshard += tr.reshard_s
+                    moves.append(Reshard(self.nodes[u].name, self.nodes[v].name, k, src, need[k], tr))
+        sink_moves = []
+        for j, (u, target) in enumerate(self.sinks):
+            dst = self.out_placement(target, choice) if isinstance(target, int) else target
+            src = self.out_placement(u, choice)
+            tr = self.model.transition(self.val[u], src, dst)
+            comm += tr.comm_s
+            reshard += tr.reshard_s
+            sink_moves.append(dst)
+            if src != dst:
+                moves.append(Reshard(self.nodes[u].name, "output", j, src, dst, tr))
+        memory, _ = self.peak(choice)
+        return Cost(compute, comm, reshard, memory), moves, sink_moves
+
+
+@dataclass
+class _Solution:
+    choice: dict | None
+    status: str
+    solve_s: float
+    message: str
+    objective: float = math.nan
+    n_cuts: int = 0
+
+
+# ============================================================================ the result
+
+
+@dataclass
+class AutoResult:
+    """A chosen layout and its estimated cost.
+
+    Attributes:
+        in_specs: one ``P`` per input leaf (in ``traced.in_paths`` order).
+        out_specs: one ``P`` per output leaf.
+        placements: node name -> DTensor placements of its output (a tuple of them for
+            multi-output nodes).
+        reshards: every value redistributed between its producer and one consumer.
+        cost: the estimated step (compute, comm, reshard seconds; peak bytes per rank).
+        status: ``"optimal"``, or ``"time_limit"`` when HiGHS stopped at ``time_limit_s`` with
+            the best layout found so far.
+        stats: sizes and timings (nodes, classes, variables, build and solve seconds).
+
+    Example:
+        result = solve(traced, mesh, memory_budget=16e9)
+        print(result.summary())
+    """
+
+    in_specs: list
+    out_specs: list
+    placements: dict
+    reshards: list
+    cost: Cost
+    status: str
+    stats: dict
+    mesh_axes: dict
+    hardware: str
+    memory_budget: float | None
+    arg_names: tuple | None = None
+    _problem: Any = field(default=None, repr=False)
+    _choice: dict = field(default=None, repr=False)
+    _time_limit_s: float = 10.0
+
+    def in_specs_tree(self) -> Any:
+        """``in_specs`` as a pytree shaped like the arguments (for ``sf.jit(in_specs=...)``)."""
+        return optree.tree_unflatten(self._problem.traced.in_treedef, list(self.in_specs))
+
+    def paths(self) -> list[str]:
+        """Input paths with argument names (``params.layers.wq``) when ``arg_names`` were given."""
+        return [_pretty(p, self.arg_names) for p in self._problem.traced.in_paths]
+
+    def collectives(self) -> list[dict]:
+        """The collectives the plan implies, per step per rank, as ``comm_report()`` rows."""
+        total: dict = {}
+        names = list(self.mesh_axes)
+        for r in self.reshards:
+            for op, dim, size in r.transition.collectives:
+                acc = total.setdefault((op, names[dim]), [0, 0])
+                acc[0] += int(size)
+                acc[1] += 1
+        return [{"op": op, "axis": axis, "bytes": b, "count": c} for (op, axis), (b, c) in sorted(total.items())]
+
+    def summary(self) -> str:
+        """A few lines: status, estimated step, memory, the chosen input specs."""
+        c = self.cost
+        budget = "none" if self.memory_budget is None else _fmt_bytes(self.memory_budget)
+        lines = [
+            f"auto-sharding on mesh {_fmt_mesh(self.mesh_axes)} ({self.hardware}): {self.status}",
+            f"  step {_fmt_s(c.step_s)} = compute {_fmt_s(c.compute_s)} + comm {_fmt_s(c.comm_s)} "
+            f"+ reshard {_fmt_s(c.reshard_s)}; memory {_fmt_bytes(c.memory_bytes)} per rank (budget {budget})",
+            f"  {self.stats['nodes']} nodes in {self.stats['classes']} classes, {self.stats['variables']} variables; "
+            f"build {self.stats['build_s']:.2f} s, solve {self.stats['solve_s']:.2f} s",
+        ]
+        for path, spec in zip(self.paths(), self.in_specs):
+            lines.append(f"  {path}: {spec!r}")
+        return "\n".join(lines)
+
+    def to_rules_yaml(self, arg_names: Sequence[str] | None = None) -> str:
+        """The chosen input specs as YAML, one line per input path: ``params.w1: [null, tp]``.
+
+        Read it back with :func:`load_specs_yaml` and pass it as ``fixed_specs`` (or turn it
+        into ``in_specs``) to reuse the plan.
+        """
+        names = tuple(arg_names) if arg_names is not None else self.arg_names
+        c = self.cost
+        lines = [
+            f"# shardfn auto-sharding plan: mesh {_fmt_mesh(self.mesh_axes)} on {self.hardware} ({self.status})",
+            f"# estimated step {_fmt_s(c.step_s)}, memory {_fmt_bytes(c.memory_bytes)} per rank",
+        ]
+        for path, spec in zip(self._problem.traced.in_paths, self.in_specs):
+            key = _yaml_key(_pretty(path, names))
+            entries = []
+            for e in spec:
+                if e is None:
+                    entries.append("null")
+                elif isinstance(e, tuple):
+                    entries.append("[" + ", ".join(e) + "]")
+                else:
+                    entries.append(e)
+            lines.append(f"{key}: [{', '.join(entries)}]")
+        return "\n".join(lines) + "\n"
+
+    def compare(self, presets: dict) -> list[dict]:
+        """Rows ``{name, step_s, compute_s, comm_s, reshard_s, memory_bytes, fits, status}``
+        for this result (``name="auto"``) and each preset.
+
+        A preset is anything ``fixed_specs`` accepts (usually the ``in_specs`` of a textbook
+        layout); its cost is the same model's optimum with those inputs fixed, under the same
+        memory budget (``fits=False``: it only fits without the budget).
+        """
+        rows = [_row("auto", self.cost, self.status, True)]
+        prob = self._problem
+        for name, specs in presets.items():
+            fixed = _resolve_fixed(specs, prob.traced, self.arg_names)
+            try:
+                sol = prob.solve(fixed, self.memory_budget, self._time_limit_s)
+            except ValueError as e:
+                rows.append({"name": name, "status": f"invalid: {e}", "fits": False})
+                continue
+            fits = True
+            if sol.choice is None and sol.status == "infeasible":
+                sol = prob.solve(fixed, None, self._time_limit_s)
+                fits = False
+            if sol.choice is None:
+                rows.append({"name": name, "status": sol.status, "fits": False})
+                continue
+            cost, _, _ = prob.evaluate(sol.choice)
+            if self.memory_budget is not None and cost.memory_bytes > self.memory_budget:
+                fits = False
+            rows.append(_row(name, cost, sol.status, fits))
+        return rows
+
+    def comparison_table(self, presets: dict) -> str:
+        """:meth:`compare` as a text table.
+
+            print(result.comparison_table(presets(mesh, args, param_axes)))
+        """
+        rows = self.compare(presets)
+        head = f"{'layout':<10} {'step':>10} {'compute':>10} {'comm':>10} {'reshard':>10} {'memory/rank':>12}  status"
+        lines = [head, "-" * len(head)]
+        for r in rows:
+            if "step_s" not in r:
+                lines.append(f"{r['name']:<10} {'-':>10} {'-':>10} {'-':>10} {'-':>10} {'-':>12}  {r['status']}")
+                continue
+            note = r["status"] + ("" if r["fits"] else ", over the memory budget")
+            lines.append(
+                f"{r['name']:<10} {_fmt_s(r['step_s']):>10} {_fmt_s(r['compute_s']):>10} {_fmt_s(r['comm_s']):>10} "
+                f"{_fmt_s(r['reshard_s']):>10} {_fmt_bytes(r['memory_bytes']):>12}  {note}"
+            )
+        return "\n".join(lines)
+
+
+def _row(name, cost: Cost, status, fits) -> dict:
+    return {"name": name, "step_s": cost.step_s, "compute_s": cost.compute_s, "comm_s": cost.comm_s,
+            "reshard_s": cost.reshard_s, "memory_bytes": cost.memory_bytes, "fits": fits, "status": status}
+
+
+# ============================================================================ public entry points
+
+
+def solve(
+    traced: Traced,
+    mesh,
+    *,
+    memory_budget: float | None = None,
+    hardware: "str | Hardware" = "h100",
+    fixed_specs: Any = None,
+    time_limit_s: float = 10.0,
+    tie_layers: bool = True,
+    arg_names: Sequence[str] | None = None,
+) -> AutoResult:
+    """Choose input specs and node placements for ``traced`` on ``mesh``.
+
+    Args:
+        traced: ``shardfn.partition.trace.trace(fn, args)`` (global shapes, fake tensors).
+        mesh: a ``shardfn.Mesh``; ``Mesh(..., fake=True)`` plans without a process group.
+        memory_budget: bytes per rank; default the hardware's HBM. ``math.inf``: no limit.
+        hardware: a profile name (``"h100"``, ``"b200"``, ...), a YAML path or a ``Hardware``.
+        fixed_specs: inputs whose spec is given: a dict ``{path: P}`` (a path or a path prefix,
+            ``"params.w1"`` or ``"0.w1"``; see ``to_rules_yaml``), or a pytree prefix of the
+            arguments with ``P`` leaves and ``sf.AUTO`` where the solver chooses.
+        time_limit_s: HiGHS' time limit; when hit, the best layout found so far is returned
+            and ``result.status == "time_limit"``.
+        tie_layers: nodes with the same structure (repeated layers) share one choice, so a
+            32-layer model costs about as much to solve as one layer.
+        arg_names: names of the positional arguments for paths (``("params", "batch")``).
+
+    Example:
+        result = solve(trace(step, (params, x)), sf.Mesh({"dp": 2, "tp": 2}, fake=True))
+        step = sf.jit(step, mesh, in_specs=result.in_specs_tree())
+    """
+    if not hasattr(mesh, "device_mesh"):
+        raise TypeError(f"mesh must be a shardfn Mesh (sf.Mesh({{...}}, fake=True) to plan); got {type(mesh).__name__}")
+    hw = load_hardware(hardware)
+    budget = hw.hbm_bytes if memory_budget is None else float(memory_budget)
+    if budget == math.inf:
+        budget = None
+    arg_names = tuple(arg_names) if arg_names is not None else None
+    prob = _Problem(traced, mesh, hw, tie_layers=tie_layers)
+    fixed = _resolve_fixed(fixed_specs, traced, arg_names)
+    sol = prob.solve(fixed, budget, time_limit_s)
+    if sol.choice is None:
+        if sol.status == "infeasible":
+            smallest = sum(int(prob.value_bytes(prob.index[ph]).min()) for ph in prob.placeholders)
+            raise ValueError(
+                f"auto-sharding: no layout fits memory_budget={_fmt_bytes(budget)} per rank on mesh "
+                f"{_fmt_mesh(mesh.axes)}; the inputs alone need at least {_fmt_bytes(smallest)} per rank. "
+                f"Raise memory_budget, use a larger mesh, or shrink the batch"
+            )
+        raise RuntimeError(
+            f"auto-sharding: HiGHS found no layout within time_limit_s={time_limit_s}; raise it ({sol.message})"
+        )
+    return _result(prob, sol, hw, budget, arg_names, time_limit_s)
+
+
+def _result(prob: _Problem, sol: _Solution, hw: Hardware, budget, arg_names, time_limit_s) -> AutoResult:
+    cost, moves, sink_pl = prob.evaluate(sol.choice)
+    in_specs = []
+    for ph in prob.placeholders:
+        i = prob.index[ph]
+        in_specs.append(to_spec(prob.out_placement(i, sol.choice), prob.val[i].ndim, prob.names))
+    out_specs = [to_spec(pl, prob.val[u].ndim, prob.names) for pl, (u, _) in zip(sink_pl, prob.sinks)]
+    placements = {}
+    for i, n in enumerate(prob.nodes):
+        if i in prob.strats:
+            placements[n.name] = prob.strats[i][sol.choice[i]].out
+        elif prob.item[i] is not None:
+            placements[n.name] = prob.out_placement(i, sol.choice)
+    stats = {
+        "nodes": len(prob.nodes), "classes": prob.n_classes, "variables": prob.n_x + prob.n_y,
+        "constraints": prob.n_rows, "memory_cuts": sol.n_cuts, "build_s": prob.build_s, "solve_s": sol.solve_s,
+    }
+    return AutoResult(in_specs, out_specs, placements, moves, cost, sol.status, stats, dict(prob.mesh.axes),
+                      hw.name, budget, arg_names, prob, sol.choice, time_limit_s)
+
+
+def apply(traced: Traced, result: AutoResult) -> list:
+    """Impose ``result`` on ``traced``'s graph and return its ``in_specs`` (one ``P`` per leaf).
+
+    Every node gets ``node.meta["sf_force"]`` (its chosen output placements), and each value
+    that must be redistributed for a consumer goes through a new ``aten.alias`` node forced to
+    the placement that consumer's strategy reads, so propagation runs exactly the plan.
+
+        in_specs = apply(traced, result)
+        lowered = lower(traced, mesh, in_placements, out_placements)
+    """
+    prob = result._problem
+    if prob is None or prob.traced is not traced:
+        raise ValueError("apply(traced, result): result was solved for another traced graph; solve(traced, ...) first")
+    gm = traced.graph_module
+    if gm.meta.get("sf_auto_applied"):
+        raise ValueError("this graph already carries an auto-sharding plan; trace the function again to apply another")
+    choice = result._choice
+    for i, n in enumerate(prob.nodes):
+        if isinstance(prob.val[i], torch.Tensor):
+            n.meta["sf_force"] = prob.out_placement(i, choice)
+    graph = gm.graph
+    for v, ins in enumerate(prob.inputs):
+        if v not in prob.strats or not ins:
+            continue
+        consumer = prob.nodes[v]
+        need = prob.strats[v][choice[v]].ins
+        replace = {}
+        for k, u in enumerate(ins):
+            if prob.out_placement(u, choice) != need[k]:
+                with graph.inserting_before(consumer):
+                    alias = graph.call_function(aten.alias.default, (prob.nodes[u],))
+                alias.meta["val"] = prob.val[u]
+                alias.meta["sf_force"] = need[k]
+                alias.meta["sf_reshard"] = True
+                replace[k] = alias
+        if replace:
+            counter = iter(range(len(ins)))
+
+            def swap(a, replace=replace, counter=counter):
+                k = next(counter)
+                return replace.get(k, a)
+
+            consumer.args, consumer.kwargs = map_arg((consumer.args, consumer.kwargs), swap)
+    gm.meta["sf_auto_applied"] = True
+    graph.lint()
+    gm.recompile()
+    return list(result.in_specs)
+
+
+def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):
+    """Trace ``fn(*args)``, solve, apply and lower: ``(lowered_step, result)``.
+
+    ``lowered_step`` is the ``LoweredStep`` that ``sf.jit(...).lower(*args)`` returns (call it
+    with the same arguments; ``backend=None`` runs it uncompiled). Keyword arguments go to
+    :func:`solve`.
+
+        step, result = jit_auto(train_step, mesh, (params, batch), memory_budget=8e9)
+        new_params, loss = step(params, batch, backend=None)
+    """
+    from shardfn.partition.api import LoweredStep, _arg_index_of_leaves
+    from shardfn.partition.local_map import mesh_scope
+    from shardfn.partition.lower import lower
+    from shardfn.partition.trace import trace
+
+    with mesh_scope(mesh):
+        traced = trace(fn, tuple(args))
+    result = solve(traced, mesh, arg_names=arg_names, **solve_kwargs)
+    in_specs = apply(traced, result)
+    names = mesh.names
+    in_pl = [to_placements(s, m.ndim, names) for s, m in zip(in_specs, traced.in_meta)]
+    out_pl = [to_placements(s, m.ndim, names) for s, m in zip(result.out_specs, traced.out_meta)]
+    lowered = lower(traced, mesh, in_pl, out_pl)
+    roles = [arg_names[i] if arg_names else f"arg{i}" for i in _arg_index_of_leaves(tuple(args))]
+    return LoweredStep(traced, lowered, mesh, in_specs, list(result.out_specs), roles), result
+
+
+# ============================================================================ presets and YAML
+
+
+def preset_rules(kind: str, mesh) -> dict:
+    """Logical-axis rules of a textbook layout over every axis of ``mesh``.
+
+    ``dp``: batch split, weights replicated. ``fsdp``: also every weight's ``embed`` dim split
+    (ZeRO-3). ``tp``: Megatron column-then-row (``heads``, ``kv_heads``, ``mlp``, ``expert_mlp``),
+    batch replicated. ``fsdp_tp``: the last mesh axis does tp, the others fsdp.
+
+        preset_rules("fsdp_tp", sf.Mesh({"dp": 4, "tp": 2}, fake=True))
+    """
+    axes = [a for a, s in mesh.axes.items() if s > 1] or list(mesh.axes)
+    every = axes[0] if len(axes) == 1 else list(axes)
+    tp_dims = ("heads", "kv_heads", "mlp", "expert_mlp")
+    if kind == "dp":
+        return {"batch": every}
+    if kind == "fsdp":
+        return {"batch": every, "embed": every}
+    if kind == "tp":
+        return {d: every for d in tp_dims}
+    if kind == "fsdp_tp":
+        if len(axes) < 2:
+            raise ValueError(f"preset fsdp_tp needs a mesh with two axes of size > 1; got {_fmt_mesh(mesh.axes)}")
+        data = axes[0] if len(axes) == 2 else list(axes[:-1])
+        return {"batch": data, "embed": data, **{d: axes[-1] for d in tp_dims}}
+    raise ValueError(f"unknown preset {kind!r}; valid presets are dp, fsdp, tp, fsdp_tp")
+
+
+def presets(mesh, args: tuple, param_axes: Any, *, params_argnum: int = 0, batch_argnums: Sequence[int] = (-1,),
+            kinds: Sequence[str] = ("dp", "fsdp", "tp", "fsdp_tp")) -> dict:
+    """``{name: in_specs}`` of textbook layouts for a train step's arguments.
+
+    ``args[params_argnum]`` gets specs from ``param_axes`` (a tree of logical-axis tuples); any
+    subtree of another argument shaped like the params (optimizer moments) takes the same specs;
+    batch arguments split dim 0 as the rules' ``batch`` says; everything else is replicated.
+    Presets that need more mesh axes than there are are left out.
+
+        table = result.comparison_table(presets(mesh, (params, opt_state, batch), model.param_axes(cfg)))
+    """
+    from shardfn.partition.layouts import state_specs
+    from shardfn.partition.spec import specs_from_rules
+
+    out = {}
+    n = len(args)
+    batch = {b % n for b in batch_argnums}
+    for kind in kinds:
+        try:
+            rules = preset_rules(kind, mesh)
+        except ValueError:
+            continue
+        pspecs = specs_from_rules(param_axes, {k: v for k, v in rules.items() if k != "batch"}, mesh.axes)
+        target = rules.get("batch")
+        names = [target] if isinstance(target, str) else list(target or [])
+        bspec = P(tuple(names)) if len(names) > 1 else P(names[0] if names else None)
+        specs = []
+        for i, a in enumerate(args):
+            if i == params_argnum % n:
+                specs.append(pspecs)
+            elif i in batch:
+                specs.append(bspec)
+            else:
+                specs.append(state_specs(a, args[params_argnum], pspecs))
+        out[kind] = tuple(specs)
+    return out
+
+
+def load_specs_yaml(path_or_text: "str | Path") -> dict:
+    """``{path: P}`` from a file written by :meth:`AutoResult.to_rules_yaml` (or its text).
+
+        fixed = load_specs_yaml("plan.yaml"); result = solve(traced, mesh, fixed_specs=fixed)
+    """
+    text = str(path_or_text)
+    if "\n" not in text and Path(text).is_file():
+        text = Path(text).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"a specs file maps input paths to lists of axes; got {type(data).__name__}")
+    out = {}
+    for path, entries in data.items():
+        if not isinstance(entries, list):
+            raise ValueError(f"specs file: {path}: expected a list with one entry per dim (null, an axis or a list of axes), got {entries!r}")
+        out[str(path)] = P(*[tuple(e) if isinstance(e, list) else e for e in entries])
+    return out
+
+
+def _resolve_fixed(fixed_specs: Any, traced: Traced, arg_names) -> list:
+    """One entry per input leaf: placements to fix, or None (the solver chooses)."""
+    n = len(traced.in_paths)
+    if fixed_specs is None:
+        return [None] * n
+    if isinstance(fixed_specs, dict) and all(isinstance(k, str) for k in fixed_specs):
+        specs: list = [None] * n
+        used = set()
+        for i, path in enumerate(traced.in_paths):
+            pretty = _pretty(path, arg_names)
+            best = None
+            for key in fixed_specs:
+                for cand in (path, pretty):
+                    if cand == key or cand.startswith(key + "."):
+                        if best is None or len(key) > len(best):
+                            best = key
+            if best is not None:
+                specs[i] = fixed_specs[best]
+                used.add(best)
+        unknown = sorted(set(fixed_specs) - used)
+        if unknown:
+            shown = [_pretty(p, arg_names) for p in traced.in_paths]
+            raise ValueError(f"fixed_specs: no input at path(s) {unknown}; the inputs are {shown}")
+    else:
+        tree = optree.tree_unflatten(traced.in_treedef, list(traced.in_meta))
+        specs = broadcast_specs(fixed_specs, tree, what="fixed_specs")
+    return [None if spec is None or spec is AUTO else spec for spec in specs]
+
+
+# ============================================================================ helpers
+
+
+def _node_args(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """Node inputs in pytree order of ``(args, kwargs)`` (duplicates kept)."""
+    out: list = []
+    map_arg((n.args, n.kwargs), lambda a: out.append(a))
+    return out
+
+
+def _freeze(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    return x
+
+
+def _base_colour(n: torch.fx.Node, val) -> tuple:
+    """What a node is, without which layer it belongs to: op, shapes, constant arguments (the
+    layer index of ``select`` and of ``select_backward`` is left out; a local_map region by
+    its specs)."""
+    shapes = tuple((tuple(v.shape), v.dtype) for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor))
+    if n.op == "placeholder":
+        return ("placeholder", n.name, shapes)
+    args = list(n.args)
+    if n.target is aten.select.int and len(args) > 2:
+        args[2] = "?"
+    elif n.target is aten.select_backward.default and len(args) > 3:
+        args[3] = "?"
+    elif n.target in (torch.ops.shardfn.local_region.default, torch.ops.shardfn.local_region_backward.default):
+        from shardfn.partition import local_map
+
+        reg = local_map.region(args[-1])
+        args[-1] = repr((reg.in_leaf_specs, reg.out_leaf_specs))
+    consts = tuple(repr(a) for a in args if not isinstance(a, torch.fx.Node) and not _has_node(a))
+    return (n.op, str(n.target), shapes, consts, tuple(sorted((k, repr(v)) for k, v in n.kwargs.items() if not _has_node(v))))
+
+
+def _has_node(a) -> bool:
+    found = []
+    map_arg(a, lambda x: found.append(x))
+    return bool(found)
+
+
+def _has_partial(pl) -> bool:
+    return any(isinstance(p, Partial) for p in pl)
+
+
+def _strided(pl) -> bool:
+    return pl is not None and any(strategies.is_strided(p) for p in pl)
+
+
+def _strided_out(out) -> bool:
+    if out is None:
+        return False
+    if out and isinstance(out[0], (tuple, type(None))):
+        return any(_strided(p) for p in out)
+    return _strided(out)
+
+
+def _out_divides(val, out, mesh_shape) -> bool:
+    if out is None:
+        return True
+    if isinstance(val, torch.Tensor):
+        return strategies.divides(val.shape, out, mesh_shape)
+    return all(p is None or not isinstance(v, torch.Tensor) or strategies.divides(v.shape, p, mesh_shape) for v, p in zip(val, out))
+
+
+def _pretty(path: str, arg_names) -> str:
+    head, _, rest = path.partition(".")
+    if arg_names and head.isdigit() and int(head) < len(arg_names):
+        head = arg_names[int(head)]
+    return f"{head}.{rest}" if rest else head
+
+
+def _yaml_key(path: str) -> str:
+    try:
+        if yaml.safe_load(f"{path}: 0") == {path: 0}:
+            return path
+    except yaml.YAMLError:
+        pass
+    return '"' + path.replace('"', '\\"') + '"'
+
+
+def _fmt_s(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= size:
+            return f"{b / size:.2f} {unit}"
+    return f"{int(b)} B"
+
+
+def _fmt_mesh(axes: dict) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in axes.items()) + ")"

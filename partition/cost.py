@@ -1,0 +1,258 @@
+"""The auto-sharder's cost model: seconds per op, per redistribution, and bytes per rank.
+
+Everything is per rank, from global fake shapes and DTensor placements (one per mesh dim):
+
+- **compute** of an op under a strategy: ``FLOPs(local shapes) / peak + bytes moved / HBM
+  bandwidth``. FLOPs come from ``torch.utils.flop_counter``'s registry evaluated on the local
+  (per-rank) shapes, so a matmul split over ``n`` ranks costs ``1/n`` and one that is run
+  redundantly on replicated inputs costs the full amount; a Partial input is a full-size local
+  tensor. Views cost nothing.
+- **transition** of a value from one placement to another: the collectives DTensor's
+  ``redistribute`` issues, mesh dim by mesh dim, priced by the hardware's alpha-beta model.
+  Reducing a partial sum (all-reduce, reduce-scatter) is *comm*; moving data between layouts
+  (all-gather, all-to-all) is *reshard*. Replicate -> Shard is a local slice (free).
+- **memory** of a value: its local bytes (a Partial value is full size).
+
+A mesh dim is intra-node when the product of its size and every more-minor dim's size fits in
+``hardware.gpus_per_node`` (the last mesh axes vary fastest, as in ``init_device_mesh``).
+
+    model = CostModel(mesh.shape, load_hardware("h100"))
+    model.transition(val, (Partial(),), (Replicate(),))   # Transition(comm_s=..., reshard_s=0.0, ...)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.utils.flop_counter import flop_registry
+
+from shardfn.partition.hardware import Hardware
+
+aten = torch.ops.aten
+
+INFEASIBLE = math.inf
+
+
+class Transition(NamedTuple):
+    """The price of moving one value between placements; ``collectives`` lists
+    ``(op, mesh_dim, bytes)`` in issue order."""
+
+    comm_s: float
+    reshard_s: float
+    collectives: tuple
+
+    @property
+    def seconds(self) -> float:
+        return self.comm_s + self.reshard_s
+
+
+FREE = Transition(0.0, 0.0, ())
+
+
+def local_shape(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int]) -> list[int]:
+    """Per-rank shape of an evenly divisible tensor under ``placements``."""
+    out = list(shape)
+    for pl, size in zip(placements, mesh_shape):
+        if isinstance(pl, Shard):
+            out[pl.dim] //= size
+    return out
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size() if dtype not in _ITEMSIZE else _ITEMSIZE[dtype]
+
+
+_ITEMSIZE = {
+    torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float64: 8, torch.int64: 8,
+    torch.int32: 4, torch.bool: 1, torch.uint8: 1, torch.int8: 1,
+}
+
+
+def is_view(op) -> bool:
+    """True for ops whose output aliases an input (no bytes are moved)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _flops_sdpa_cpu(q, k, v, *args, **kwargs) -> int:
+    # [B, H, S, D]: two matmuls of 2*B*H*Sq*Sk*D FLOPs each (no causal discount, as torch's counter)
+    b, h, sq, d = q
+    return 4 * b * h * sq * k[-2] * d
+
+
+def _flops_sdpa_cpu_backward(grad, q, k, v, *args, **kwargs) -> int:
+    b, h, sq, d = q
+    return 8 * b * h * sq * k[-2] * d
+
+
+_EXTRA_FLOPS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _flops_sdpa_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _flops_sdpa_cpu_backward,
+}
+
+
+class CostModel:
+    """Prices ops, transitions and memory for one mesh shape on one hardware profile.
+
+    Args:
+        mesh_shape: sizes of the mesh dims, major to minor.
+        hardware: a :class:`~shardfn.partition.hardware.Hardware`.
+
+    Example:
+        model = CostModel((8, 8), load_hardware("h100"))
+        model.intra_node     # (False, True): the minor axis of 8 stays inside a node
+    """
+
+    def __init__(self, mesh_shape: Sequence[int], hardware: Hardware):
+        self.mesh_shape = tuple(int(s) for s in mesh_shape)
+        self.hardware = hardware
+        intra = []
+        span = 1
+        for size in reversed(self.mesh_shape):
+            span *= size
+            intra.append(span <= hardware.gpus_per_node)
+        self.intra_node = tuple(reversed(intra))
+        self._transitions: dict = {}
+
+    # -- memory ------------------------------------------------------------------------------
+    def local_bytes(self, val: torch.Tensor, placements) -> int:
+        """Bytes one rank holds of ``val`` under ``placements``."""
+        return nbytes(local_shape(val.shape, placements, self.mesh_shape), val.dtype)
+
+    # -- compute -----------------------------------------------------------------------------
+    def flops(self, op, arg_shapes: tuple, kwarg_shapes: dict, out_shape) -> int:
+        """FLOPs of ``op`` at the given (local) shapes; 0 for ops the registry does not know."""
+        packet = getattr(op, "overloadpacket", op)
+        fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+        if fn is None:
+            return 0
+        try:
+            return int(fn(*arg_shapes, **kwarg_shapes, out_val=out_shape)) if packet in flop_registry else int(fn(*arg_shapes, **kwarg_shapes))
+        except Exception:  # a formula that does not accept these arguments: count it as free
+            return 0
+
+    def compute_time(self, op, args: tuple, kwargs: dict, out_val, in_placements: Sequence, out_placements) -> float:
+        """Seconds for one rank to run ``op`` under one strategy.
+
+        ``args``/``kwargs`` hold fake global tensors; ``in_placements`` gives the placements of
+        each tensor among them in pytree order; ``out_placements`` those of the output (a tuple
+        of them for multi-output ops).
+        """
+        from torch.utils import _pytree as pytree
+
+        if is_view(op):
+            return 0.0
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        it = iter(in_placements)
+        moved = 0
+        shapes = []
+        dtype = None
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                pl = next(it)
+                shape = local_shape(x.shape, pl, self.mesh_shape)
+                moved += nbytes(shape, x.dtype)
+                dtype = dtype or x.dtype
+                shapes.append(torch.Size(shape))
+            else:
+                shapes.append(x)
+        largs, lkwargs = pytree.tree_unflatten(shapes, spec)
+        outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
+        outs_pl = out_placements if isinstance(out_val, (tuple, list)) else (out_placements,)
+        out_shapes = []
+        for o, pl in zip(outs, outs_pl):
+            if isinstance(o, torch.Tensor) and pl is not None:
+                shape = local_shape(o.shape, pl, self.mesh_shape)
+                moved += nbytes(shape, o.dtype)
+                out_shapes.append(torch.Size(shape))
+                dtype = dtype or o.dtype
+            else:
+                out_shapes.append(None)
+        out_shape = out_shapes[0] if not isinstance(out_val, (tuple, list)) else tuple(out_shapes)
+        flops = self.flops(op, largs, lkwargs, out_shape)
+        peak = self.hardware.peak_flops(dtype or torch.float32)
+        return flops / peak + moved / self.hardware.hbm_bandwidth
+
+    # -- transitions -------------------------------------------------------------------------
+    def collective(self, op: str, nbytes_: float, mesh_dim: int) -> float:
+        return self.hardware.collective_time(op, nbytes_, self.mesh_shape[mesh_dim], self.intra_node[mesh_dim])
+
+    def transition(self, val: torch.Tensor, src, dst) -> Transition:
+        """The cost of redistributing ``val`` from placements ``src`` to ``dst``.
+
+        Mesh dims are handled in the order that keeps buffers small: local slices and
+        reduce-scatters first, then all-to-alls, all-reduces, and all-gathers last. Returns a
+        Transition with infinite comm for an impossible move (between different kinds of
+        partial sums).
+        """
+        src, dst = tuple(src), tuple(dst)
+        if src == dst:
+            return FREE
+        key = (tuple(val.shape), val.dtype, src, dst)
+        hit = self._transitions.get(key)
+        if hit is None:
+            hit = self._transitions[key] = self._transition(val, src, dst)
+        return hit
+
+    def _transition(self, val, src, dst) -> Transition:
+        shape = local_shape(val.shape, src, self.mesh_shape)
+        steps = []  # (order, mesh_dim, kind)
+        for d, (a, b) in enumerate(zip(src, dst)):
+            if a == b or self.mesh_shape[d] == 1:
+                continue
+            if isinstance(a, Partial) and isinstance(b, Partial):
+                return Transition(INFEASIBLE, 0.0, ())
+            if isinstance(b, Partial):  # R -> P is local; S -> P gathers first
+                steps.append((3, d, "all_gather" if isinstance(a, Shard) else "local"))
+            elif isinstance(a, Partial):
+                steps.append((0 if isinstance(b, Shard) else 2, d, "reduce_scatter" if isinstance(b, Shard) else "all_reduce"))
+            elif isinstance(a, Shard) and isinstance(b, Shard):
+                steps.append((1, d, "all_to_all"))
+            elif isinstance(a, Shard):
+                steps.append((3, d, "all_gather"))
+            else:
+                steps.append((0, d, "slice"))
+        comm = reshard = 0.0
+        done = []
+        for _, d, kind in sorted(steps):
+            n = self.mesh_shape[d]
+            size = nbytes(shape, val.dtype)
+            a, b = src[d], dst[d]
+            if kind == "slice":
+                shape[b.dim] //= n
+            elif kind == "reduce_scatter":
+                comm += self.collective(kind, size, d)
+                done.append((kind, d, size))
+                shape[b.dim] //= n
+            elif kind == "all_reduce":
+                comm += self.collective(kind, size, d)
+                done.append((kind, d, size))
+            elif kind == "all_to_all":
+                reshard += self.collective(kind, size, d)
+                done.append((kind, d, size))
+                shape[a.dim] *= n
+                shape[b.dim] //= n
+            elif kind == "all_gather":
+                shape[a.dim] *= n
+                size = nbytes(shape, val.dtype)
+                reshard += self.collective(kind, size, d)
+                done.append((kind, d, size))
+            else:  # R -> P: keep the value on one rank, zeros elsewhere (a local memory pass)
+                reshard += size / self.hardware.hbm_bandwidth
+        return Transition(comm, reshard, tuple(done))
+
+
+def replicated(ndim: int) -> tuple:
+    return (Replicate(),) * ndim

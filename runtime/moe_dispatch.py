@@ -1,0 +1,254 @@
+"""Expert-parallel MoE dispatch and combine: the all-to-all exchanges, run by the runtime.
+
+How many tokens each rank sends each expert is known only once the router has run, so the
+exchange cannot live in a statically shaped compiled graph. It runs here, eagerly, behind one
+opaque op whose output shape is static (``[T, D]``, like its input): the compiled program calls
+it, and it
+
+1. sorts this rank's ``T * top_k`` assignments by expert and counts them,
+2. exchanges the per-expert counts (one small all-to-all),
+3. moves the tokens to the ranks that hold their experts (``all_to_all_single``, uneven splits),
+4. runs the local experts on them with one grouped GEMM per projection,
+5. sends the results back, weights them by the router scores and sums over top-k.
+
+Its backward (another op) sends output cotangents the same way and input cotangents back: two
+token all-to-alls each way. What the backward needs is kept in this process between the two
+ops, keyed by a handle tensor that the forward returns, so nothing is exchanged twice. The
+shared experts are computed while the first exchange is in flight (``async_op=True``).
+
+Bytes moved are recorded per call (what leaves the rank; tokens that stay on-rank move nothing):
+
+    stats = exchange_stats()    # [{"layer", "phase", "bytes", "tokens", "dropped"}, ...]
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import List
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardfn.core.grouped_mm import grouped_mm
+
+
+@dataclass
+class _Saved:
+    x_shape: tuple
+    tok: torch.Tensor          # [A] int64: source token of each kept assignment, expert-sorted
+    keep_pos: torch.Tensor     # [A] int64: flat assignment index (t * k + j) of each kept one
+    in_splits: list[int]       # rows sent to each rank
+    out_splits: list[int]      # rows received from each rank
+    perm: torch.Tensor         # [R] received row -> expert-major row
+    offs: torch.Tensor         # [E_local] int32 cumulative rows per local expert
+    xs: torch.Tensor           # [R, D] expert inputs, expert-major
+    y_assign: torch.Tensor     # [T * k, D] expert output per assignment (0 where dropped)
+    weights: torch.Tensor      # [T, k]
+    group: object
+    layer: int
+
+
+_saved: dict[int, _Saved] = {}
+_handles = itertools.count(1)
+_stats: list[dict] = []
+_layer_counter = itertools.count()
+
+
+def reset_stats() -> None:
+    """Start a new step: forget recorded exchanges and number layers from 0 again."""
+    global _layer_counter
+    _stats.clear()
+    _layer_counter = itertools.count()
+
+
+def exchange_stats() -> list[dict]:
+    """Per exchange since the last ``reset_stats``: layer, phase, bytes sent off-rank, tokens."""
+    return list(_stats)
+
+
+def _expert_ffn(xs, offs, w1, w2, w3):
+    h = F.silu(grouped_mm(xs, w1, offs)) * grouped_mm(xs, w3, offs)  # [R, F]
+    return grouped_mm(h, w2, offs)                                     # [R, D]
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *, async_op=False):
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
+    return (out, work) if async_op else out
+
+
+def _record(layer, phase, x, in_splits, me, group):
+    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else x.shape[-1] * x.element_size()
+    off_rank = sum(n for r, n in enumerate(in_splits) if r != me)
+    _stats.append({"layer": layer, "phase": phase, "bytes": off_rank * row_bytes, "tokens": sum(in_splits)})
+
+
+def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_factor: float = 0.0,
+               shared=None):
+    """Eager EP forward on this rank's tokens. Returns ``(y [T, D], handle, dropped)``."""
+    T, D = x.shape
+    k = idx.shape[1]
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    e_local = n_experts // n
+    flat_e = idx.reshape(-1)
+    order = torch.argsort(flat_e, stable=True)                   # [T*k] assignments by expert
+    counts = torch.bincount(flat_e, minlength=n_experts)         # [E]
+    dropped = 0
+    if capacity_factor > 0:
+        cap = max(1, int(capacity_factor * T * k / n_experts + 0.999999))
+        sorted_e = flat_e[order]
+        start = torch.cumsum(counts, 0) - counts
+        rank_in_expert = torch.arange(order.numel()) - start[sorted_e]
+        keep = rank_in_expert < cap
+        dropped = int((~keep).sum())
+        order = order[keep]
+        counts = torch.clamp(counts, max=cap)
+    tok = order // k
+    send = x[tok]                                                # [A, D] grouped by dest rank
+    in_splits = counts.view(n, e_local).sum(1).tolist()
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)     # [n*E_local]: from s for my e
+    recv_counts = recv_counts.view(n, e_local)
+    out_splits = recv_counts.sum(1).tolist()
+    layer = next(_layer_counter)
+    _record(layer, "dispatch", send, in_splits, me, group)
+    recv, work = _a2a(send, out_splits, in_splits, group, async_op=True)
+    y_shared = shared(x) if shared is not None else None        # overlaps the exchange
+    work.wait()
+    expert_of_row = torch.arange(e_local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
+    perm = torch.argsort(expert_of_row, stable=True)             # received -> expert-major
+    offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
+    xs = recv[perm]
+    out = _expert_ffn(xs, offs, w1, w2, w3)
+    back_src = torch.empty_like(out)
+    back_src[perm] = out
+    _record(layer, "combine", back_src, out_splits, me, group)
+    back = _a2a(back_src, in_splits, out_splits, group)          # [A, D] in `order` order
+    y_assign = x.new_zeros((T * k, D))
+    y_assign[order] = back
+    y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
+    if y_shared is not None:
+        y = y + y_shared
+    handle = next(_handles)
+    _saved[handle] = _Saved((T, D), tok, order, in_splits, out_splits, perm, offs, xs, y_assign, weights, group, layer)
+    return y, handle, dropped
+
+
+def ep_backward(handle: int, grad_y, w1, w2, w3):
+    """Cotangents ``(dx, dweights, dw1, dw2, dw3)`` of ``ep_forward`` (shared experts excluded)."""
+    s = _saved.pop(handle)
+    T, D = s.x_shape
+    k = s.weights.shape[1]
+    me = dist.get_rank(s.group)
+    d_assign = (grad_y.unsqueeze(1) * s.weights.unsqueeze(-1)).reshape(T * k, D)
+    dweights = (s.y_assign.view(T, k, D) * grad_y.unsqueeze(1)).sum(-1)
+    d_send = d_assign[s.keep_pos]
+    _record(s.layer, "dispatch_grad", d_send, s.in_splits, me, s.group)
+    d_recv = _a2a(d_send, s.out_splits, s.in_splits, s.group)
+    d_out = d_recv[s.perm]
+    _, pullback = torch.func.vjp(lambda xs, a, b, c: _expert_ffn(xs, s.offs, a, b, c), s.xs, w1, w2, w3)
+    dxs, dw1, dw2, dw3 = pullback(d_out)
+    d_back = torch.empty_like(dxs)
+    d_back[s.perm] = dxs
+    _record(s.layer, "combine_grad", d_back, s.out_splits, me, s.group)
+    d_src = _a2a(d_back, s.in_splits, s.out_splits, s.group)
+    dx = torch.zeros((T, D), dtype=grad_y.dtype)
+    dx.index_add_(0, s.tok, d_src)
+    return dx, dweights, dw1, dw2, dw3
+
+
+# --- the two opaque ops the compiled per-rank program calls -------------------------------
+
+
+@torch.library.custom_op("shardfn::ep_experts", mutates_args=())
+def _ep_experts(
+    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    group_name: str, n_experts: int, capacity_factor: float,
+) -> List[torch.Tensor]:
+    group = _group(group_name)
+    y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor)
+    return [y, torch.tensor([handle, dropped], dtype=torch.int64)]
+
+
+@_ep_experts.register_fake
+def _(x, idx, weights, w1, w2, w3, group_name, n_experts, capacity_factor):
+    return [torch.empty_like(x), torch.empty(2, dtype=torch.int64)]
+
+
+@torch.library.custom_op("shardfn::ep_experts_backward", mutates_args=())
+def _ep_experts_backward(
+    handle: torch.Tensor, grad_y: torch.Tensor, weights: torch.Tensor,
+    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+) -> List[torch.Tensor]:
+    return list(ep_backward(int(handle[0]), grad_y, w1, w2, w3))
+
+
+@_ep_experts_backward.register_fake
+def _(handle, grad_y, weights, w1, w2, w3):
+    return [torch.empty_like(grad_y), torch.empty_like(weights), torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3)]
+
+
+def _group(name: str):
+    from shardfn.partition._torch_private import resolve_group
+
+    return resolve_group(name)
+
+
+# --- the per-rank region the partitioned MoE layer calls -----------------------------------
+
+
+def expert_parallel_region(mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
+                           capacity_factor: float = 0.0):
+    """``routed(x, idx, weights, w1, w2, w3) -> y`` as an ``sf.local_map`` region.
+
+    Tokens (``x [T, D]``, ``idx``/``weights [T, k]``) are split over ``data_axes`` (which include
+    ``ep_axis``); routed-expert weights ``[E, ...]`` over ``ep_axis``. The exchange runs in the
+    runtime (``ep_forward``/``ep_backward``), once forward and once backward.
+    """
+    from shardfn.partition.local_map import local_map
+    from shardfn.partition.spec import P
+
+    if n_experts % mesh.axes[ep_axis]:
+        raise ValueError(
+            f"mesh.{ep_axis}={mesh.axes[ep_axis]} does not divide model.n_experts={n_experts}; "
+            f"pick an {ep_axis} size that divides the expert count"
+        )
+    group_name = mesh.device_mesh.get_group(ep_axis).group_name
+    tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
+
+    def forward(x, idx, weights, w1, w2, w3):
+        y, handle = torch.ops.shardfn.ep_experts(x, idx, weights, w1, w2, w3, group_name, n_experts, capacity_factor)
+        return y, handle
+
+    def backward(inputs, outputs, cotangents):
+        x, idx, weights, w1, w2, w3 = inputs
+        _, handle = outputs
+        grad_y, _ = cotangents
+        dx, dweights, dw1, dw2, dw3 = torch.ops.shardfn.ep_experts_backward(handle, grad_y, weights, w1, w2, w3)
+        return dx, None, dweights, dw1, dw2, dw3
+
+    region = local_map(
+        forward,
+        in_specs=(tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)),
+        out_specs=(tokens, tokens),
+        bwd=backward,
+    )
+
+    def routed(x, idx, weights, w1, w2, w3):
+        return region(x, idx, weights, w1, w2, w3)[0]
+
+    return routed
+
+
+def data_parallel_region(data_axes: tuple[str, ...], routed_fn):
+    """``routed_fn`` (the one-device routed-expert computation) on each rank's own tokens, with
+    every expert whole on every rank (gathered for use when stored sharded)."""
+    from shardfn.partition.local_map import local_map
+    from shardfn.partition.spec import P
+
+    tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
+    return local_map(routed_fn, in_specs=(tokens, tokens, tokens, P(), P(), P()), out_specs=tokens)
