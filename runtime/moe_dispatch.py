@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ class _Saved:
     weights: torch.Tensor      # [T, k]
     group: object
     layer: int
+    x: torch.Tensor | None = None   # [T, D] kept for the shared experts' backward
 
 
 _saved: dict[int, _Saved] = {}
@@ -66,6 +67,10 @@ def reset_stats() -> None:
 def exchange_stats() -> list[dict]:
     """Per exchange since the last ``reset_stats``: layer, phase, bytes sent off-rank, tokens."""
     return list(_stats)
+
+
+def _swiglu(x, w1, w2, w3):
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
 
 
 def _expert_ffn(xs, offs, w1, w2, w3):
@@ -115,8 +120,9 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     out_splits = recv_counts.sum(1).tolist()
     layer = next(_layer_counter)
     _record(layer, "dispatch", send, in_splits, me, group)
+    _stats[-1].update(assignments=T * k, dropped=dropped)
     recv, work = _a2a(send, out_splits, in_splits, group, async_op=True)
-    y_shared = shared(x) if shared is not None else None        # overlaps the exchange
+    y_shared = _swiglu(x, *shared) if shared is not None else None  # overlaps the exchange
     work.wait()
     expert_of_row = torch.arange(e_local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
     perm = torch.argsort(expert_of_row, stable=True)             # received -> expert-major
@@ -133,12 +139,13 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     if y_shared is not None:
         y = y + y_shared
     handle = next(_handles)
-    _saved[handle] = _Saved((T, D), tok, order, in_splits, out_splits, perm, offs, xs, y_assign, weights, group, layer)
+    _saved[handle] = _Saved((T, D), tok, order, in_splits, out_splits, perm, offs, xs, y_assign, weights, group, layer,
+                            x if shared is not None else None)
     return y, handle, dropped
 
 
-def ep_backward(handle: int, grad_y, w1, w2, w3):
-    """Cotangents ``(dx, dweights, dw1, dw2, dw3)`` of ``ep_forward`` (shared experts excluded)."""
+def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None):
+    """Cotangents ``(dx, dweights, dw1, dw2, dw3[, ds1, ds2, ds3])`` of ``ep_forward``."""
     s = _saved.pop(handle)
     T, D = s.x_shape
     k = s.weights.shape[1]
@@ -157,7 +164,11 @@ def ep_backward(handle: int, grad_y, w1, w2, w3):
     d_src = _a2a(d_back, s.in_splits, s.out_splits, s.group)
     dx = torch.zeros((T, D), dtype=grad_y.dtype)
     dx.index_add_(0, s.tok, d_src)
-    return dx, dweights, dw1, dw2, dw3
+    if shared is None:
+        return dx, dweights, dw1, dw2, dw3
+    _, pull_shared = torch.func.vjp(_swiglu, s.x, *shared)
+    dxs_shared, ds1, ds2, ds3 = pull_shared(grad_y)
+    return dx + dxs_shared, dweights, dw1, dw2, dw3, ds1, ds2, ds3
 
 
 # --- the two opaque ops the compiled per-rank program calls -------------------------------
@@ -167,15 +178,17 @@ def ep_backward(handle: int, grad_y, w1, w2, w3):
 def _ep_experts(
     x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor],
     group_name: str, n_experts: int, capacity_factor: float,
 ) -> List[torch.Tensor]:
     group = _group(group_name)
-    y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor)
+    shared = (s1, s2, s3) if s1 is not None else None
+    y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor, shared)
     return [y, torch.tensor([handle, dropped], dtype=torch.int64)]
 
 
 @_ep_experts.register_fake
-def _(x, idx, weights, w1, w2, w3, group_name, n_experts, capacity_factor):
+def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor):
     return [torch.empty_like(x), torch.empty(2, dtype=torch.int64)]
 
 
@@ -183,13 +196,16 @@ def _(x, idx, weights, w1, w2, w3, group_name, n_experts, capacity_factor):
 def _ep_experts_backward(
     handle: torch.Tensor, grad_y: torch.Tensor, weights: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+    s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor],
 ) -> List[torch.Tensor]:
-    return list(ep_backward(int(handle[0]), grad_y, w1, w2, w3))
+    shared = (s1, s2, s3) if s1 is not None else None
+    return list(ep_backward(int(handle[0]), grad_y, w1, w2, w3, shared))
 
 
 @_ep_experts_backward.register_fake
-def _(handle, grad_y, weights, w1, w2, w3):
-    return [torch.empty_like(grad_y), torch.empty_like(weights), torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3)]
+def _(handle, grad_y, weights, w1, w2, w3, s1, s2, s3):
+    like = [grad_y, weights, w1, w2, w3] + ([s1, s2, s3] if s1 is not None else [])
+    return [torch.empty_like(t) for t in like]
 
 
 def _group(name: str):
@@ -202,12 +218,14 @@ def _group(name: str):
 
 
 def expert_parallel_region(mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
-                           capacity_factor: float = 0.0):
-    """``routed(x, idx, weights, w1, w2, w3) -> y`` as an ``sf.local_map`` region.
+                           capacity_factor: float = 0.0, shared: bool = False):
+    """``routed(x, idx, weights, w1, w2, w3[, s1, s2, s3]) -> y`` as an ``sf.local_map`` region.
 
     Tokens (``x [T, D]``, ``idx``/``weights [T, k]``) are split over ``data_axes`` (which include
-    ``ep_axis``); routed-expert weights ``[E, ...]`` over ``ep_axis``. The exchange runs in the
-    runtime (``ep_forward``/``ep_backward``), once forward and once backward.
+    ``ep_axis``); routed-expert weights ``[E, ...]`` over ``ep_axis``. With ``shared``, the shared
+    experts' SwiGLU weights ``s1 [D, Hs], s2 [Hs, D], s3 [D, Hs]`` come last and their output is
+    added, computed while the dispatch exchange is in flight. The exchange runs in the runtime
+    (``ep_forward``/``ep_backward``), once forward and once backward.
     """
     from shardfn.partition.local_map import local_map
     from shardfn.partition.spec import P
@@ -220,26 +238,23 @@ def expert_parallel_region(mesh, data_axes: tuple[str, ...], ep_axis: str, n_exp
     group_name = mesh.device_mesh.get_group(ep_axis).group_name
     tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
 
-    def forward(x, idx, weights, w1, w2, w3):
-        y, handle = torch.ops.shardfn.ep_experts(x, idx, weights, w1, w2, w3, group_name, n_experts, capacity_factor)
-        return y, handle
+    def forward(x, idx, weights, w1, w2, w3, *s):
+        s1, s2, s3 = s if s else (None, None, None)
+        return tuple(torch.ops.shardfn.ep_experts(
+            x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor))
 
     def backward(inputs, outputs, cotangents):
-        x, idx, weights, w1, w2, w3 = inputs
-        _, handle = outputs
-        grad_y, _ = cotangents
-        dx, dweights, dw1, dw2, dw3 = torch.ops.shardfn.ep_experts_backward(handle, grad_y, weights, w1, w2, w3)
-        return dx, None, dweights, dw1, dw2, dw3
+        x, idx, weights, w1, w2, w3, *s = inputs
+        s1, s2, s3 = s if s else (None, None, None)
+        grads = torch.ops.shardfn.ep_experts_backward(outputs[1], cotangents[0], weights, w1, w2, w3, s1, s2, s3)
+        dx, dweights, *dw = grads
+        return (dx, None, dweights, *dw)
 
-    region = local_map(
-        forward,
-        in_specs=(tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)),
-        out_specs=(tokens, tokens),
-        bwd=backward,
-    )
+    in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if shared else ())
+    region = local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward)
 
-    def routed(x, idx, weights, w1, w2, w3):
-        return region(x, idx, weights, w1, w2, w3)[0]
+    def routed(*args):
+        return region(*args)[0]
 
     return routed
 

@@ -109,3 +109,75 @@ def test_expert_parallel_matches_naive_loop(routing, ep, dp):
         phases = {s["phase"]: s["bytes"] for s in out["stats"]}
         assert phases["dispatch"] == sent and phases["dispatch_grad"] == sent
         assert len(out["stats"]) == 4  # dispatch + combine forward, and both again backward
+
+
+def _shared_capacity_worker(capacity_factor):
+    ROUTING[0] = "random"
+    mesh = sf.Mesh({"ep": 2})
+    x, w_router, experts = make_inputs("random")
+    g = torch.Generator().manual_seed(5)
+    shared = [torch.randn(D, H, generator=g) * 0.2, torch.randn(H, D, generator=g) * 0.2, torch.randn(D, H, generator=g) * 0.2]
+    routed = moe_dispatch.expert_parallel_region(mesh, ("ep",), "ep", E, capacity_factor=capacity_factor, shared=True)
+
+    def loss(params, x):
+        idx, weights = route_static(x, params["router"])
+        y = routed(x, idx, weights, params["w1"], params["w2"], params["w3"], params["s1"], params["s2"], params["s3"])
+        return y.pow(2).mean()
+
+    params = {"router": w_router, "w1": experts[0], "w2": experts[1], "w3": experts[2],
+              "s1": shared[0], "s2": shared[1], "s3": shared[2]}
+    specs = {"router": P(), "w1": P("ep"), "w2": P("ep"), "w3": P("ep"), "s1": P(), "s2": P(), "s3": P()}
+    step = sf.jit(lambda p, x: torch.func.grad_and_value(loss)(p, x)[::-1], mesh,
+                  in_specs=(specs, P("ep")), out_specs=(P(), specs), backend=None)
+    moe_dispatch.reset_stats()
+    l, grads = step(params, x)
+    return {"loss": l.full_tensor(), "grads": {k: v.full_tensor() for k, v in grads.items()},
+            "stats": moe_dispatch.exchange_stats(), "params": params}
+
+
+def _shared_reference(params, x, keep=None):
+    def loss(p, x):
+        idx, weights = route_static(x, p["router"])
+        if keep is not None:
+            weights = weights * keep
+        y = naive_moe(x, idx, weights, p["w1"], p["w2"], p["w3"])
+        y = y + (F.silu(x @ p["s1"]) * (x @ p["s3"])) @ p["s2"]
+        return y.pow(2).mean()
+
+    grads, l = torch.func.grad_and_value(loss)(params, x)
+    return l, grads
+
+
+def test_shared_experts_overlap_and_large_capacity_equal_dropless():
+    x, _, _ = make_inputs("random")
+    dropless, roomy = spawn(_shared_capacity_worker, 2, args=(0.0,), timeout_s=120)[0], \
+        spawn(_shared_capacity_worker, 2, args=(float(E),), timeout_s=120)[0]
+    ref_loss, ref_grads = _shared_reference(dropless["params"], x)
+    for out in (dropless, roomy):
+        torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-5, atol=1e-6)
+        for k in ref_grads:
+            torch.testing.assert_close(out["grads"][k], ref_grads[k], rtol=1e-5, atol=1e-6)
+    assert roomy["stats"][0]["dropped"] == 0
+
+
+def _direct_drop_count(idx_local, capacity):
+    seen = {}
+    dropped = 0
+    for e in idx_local.reshape(-1).tolist():  # assignments in (token, slot) order
+        seen[e] = seen.get(e, 0) + 1
+        dropped += seen[e] > capacity
+    return dropped
+
+
+def test_capacity_drop_rate_equals_direct_count():
+    cf = 0.5
+    x, w_router, _ = make_inputs("random")
+    idx, _ = route_static(x, w_router)
+    outs = spawn(_shared_capacity_worker, 2, args=(cf,), timeout_s=120)
+    n_tok = T // 2
+    cap = max(1, int(cf * n_tok * K / E + 0.999999))
+    for rank, out in enumerate(outs):
+        expected = _direct_drop_count(idx[rank * n_tok:(rank + 1) * n_tok], cap)
+        assert expected > 0
+        row = out["stats"][0]
+        assert row["dropped"] == expected and row["assignments"] == n_tok * K
