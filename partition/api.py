@@ -49,8 +49,15 @@ class LoweredStep:
         return report.collectives(self.graph_module, self.mesh)
 
     def comm_report(self) -> list[dict]:
-        """Rows ``{op, axis, bytes, count}`` per step per rank."""
-        return report.comm_report(self.graph_module, self.mesh)
+        """Rows ``{op, axis, bytes, count}`` per step per rank. The all-to-alls of MoE layers,
+        whose sizes depend on routing, run in the runtime: after a step has run they appear as
+        one row per layer (``layer`` key) with the bytes that step moved."""
+        rows = report.comm_report(self.graph_module, self.mesh)
+        if any(n.target is torch.ops.shardfn.local_region.default for n in self.traced.graph_module.graph.nodes):
+            from shardfn.runtime.moe_dispatch import exchange_report
+
+            rows += exchange_report(self.mesh)
+        return rows
 
     def memory_report(self) -> dict:
         """Bytes per rank: each named argument group (params, opt_state, ...), ``grads`` (the

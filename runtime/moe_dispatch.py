@@ -69,6 +69,18 @@ def exchange_stats() -> list[dict]:
     return list(_stats)
 
 
+def exchange_report(mesh) -> list[dict]:
+    """The recorded exchanges as comm-report rows, one per MoE layer call:
+    ``{op: "all_to_all", axis, layer, bytes, count}`` (four token exchanges a layer a step)."""
+    rows: dict[tuple, dict] = {}
+    for s in _stats:
+        key = (mesh.axis_of_group(s["group"]), s["layer"])
+        row = rows.setdefault(key, {"op": "all_to_all", "axis": key[0], "layer": key[1], "bytes": 0, "count": 0})
+        row["bytes"] += s["bytes"]
+        row["count"] += 1
+    return list(rows.values())
+
+
 def _swiglu(x, w1, w2, w3):
     return (F.silu(x @ w1) * (x @ w3)) @ w2
 
@@ -87,7 +99,8 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *,
 def _record(layer, phase, x, in_splits, me, group):
     row_bytes = x[0].numel() * x.element_size() if x.shape[0] else x.shape[-1] * x.element_size()
     off_rank = sum(n for r, n in enumerate(in_splits) if r != me)
-    _stats.append({"layer": layer, "phase": phase, "bytes": off_rank * row_bytes, "tokens": sum(in_splits)})
+    _stats.append({"layer": layer, "phase": phase, "bytes": off_rank * row_bytes, "tokens": sum(in_splits),
+                   "group": group.group_name})
 
 
 def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_factor: float = 0.0,

@@ -89,12 +89,15 @@ def reference(routing):
 
 
 def expected_bytes(idx, ep, dp, rank):
-    """Bytes rank `rank` sends in one token exchange: its assignments to experts on other EP ranks."""
+    """Bytes rank `rank` sends in the dispatch (its assignments to experts held by the other
+    ranks of its EP group) and in the combine (results for the assignments they sent it)."""
     n_tok = T // (ep * dp)
-    mine = idx[rank * n_tok:(rank + 1) * n_tok].reshape(-1)
-    ep_rank = rank % ep
-    owner = mine // (E // ep)
-    return int((owner != ep_rank).sum()) * D * 4
+    group = [rank - rank % ep + r for r in range(ep)]
+    owner = lambda r: idx[r * n_tok:(r + 1) * n_tok].reshape(-1) // (E // ep)  # noqa: E731
+    me = rank % ep
+    sent = int((owner(rank) != me).sum())
+    received = sum(int((owner(r) == me).sum()) for r in group if r != rank)
+    return sent * D * 4, received * D * 4
 
 
 @pytest.mark.parametrize("routing,ep,dp", [("random", 2, 1), ("one_expert", 2, 1), ("skip_expert", 4, 1), ("random", 2, 2)])
@@ -105,10 +108,13 @@ def test_expert_parallel_matches_naive_loop(routing, ep, dp):
         torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-5, atol=1e-6)
         for k in ref_grads:
             torch.testing.assert_close(out["grads"][k], ref_grads[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m}")
-        sent = expected_bytes(idx, ep, dp, rank)
+        sent, returned = expected_bytes(idx, ep, dp, rank)
         phases = {s["phase"]: s["bytes"] for s in out["stats"]}
         assert phases["dispatch"] == sent and phases["dispatch_grad"] == sent
+        assert phases["combine"] == returned and phases["combine_grad"] == returned
         assert len(out["stats"]) == 4  # dispatch + combine forward, and both again backward
+        a2a = [r for r in out["comm"] if r["op"] == "all_to_all"]
+        assert a2a == [{"op": "all_to_all", "axis": "ep", "layer": 0, "bytes": 2 * (sent + returned), "count": 4}]
 
 
 def _shared_capacity_worker(capacity_factor):
