@@ -48,7 +48,8 @@ _MEMORY_ROUNDS = 8     # at most this many memory cuts are added after the first
 _US = 1e6              # the ILP's objective is in microseconds (keeps HiGHS' tolerances sane)
 _GIB = float(1 << 30)  # and its memory rows in GiB
 _DISP = False
-_SMALL_TABLE = 64      # edges with at most this many placement pairs keep all of them
+_GAP = 1e-3           # HiGHS stops when the plan is within 0.1% of the best possible
+_SMALL_TABLE = 10**9   # edges with at most this many placement pairs keep all of them
 
 
 class Cost(NamedTuple):
@@ -103,6 +104,7 @@ class _Problem:
         self._interned: dict = {}
         self._cache: dict = {}
         self._pairs: dict = {}
+        self._debug: list = []
         self._analyse()
         self._tie(tie_layers)
         self._build()
@@ -121,21 +123,29 @@ class _Problem:
         return self._interned.setdefault(value, value)
 
     def _analyse(self) -> None:
-        """Candidates per node. *Owners* have their own choice; a getitem takes its tuple
-        producer's choice; a *follower* -- an op with one input that has several options, which
-        it can take as they are, whatever they are (views, casts, element-wise ops, reductions)
-        -- runs the strategy that reads that input as it is. Followers and getitems add no
-        variables, and their values' placements are functions of their owner's choice."""
+        """Candidates per node, in three kinds.
+
+        - An *owner* has its own choice among its strategies (ILP variables).
+        - A getitem takes its tuple producer's choice.
+        - A *follower* -- an op with one input that has several options (or an element-wise op,
+          whose largest such input it follows) -- runs, for each option of that input, the
+          strategy that reads it as it is (or, when none can, the cheapest redistribution).
+          Views, casts, element-wise ops and reductions follow; matmuls own.
+
+        Followers and getitems add no variables: their placements are functions of their
+        owner's choice, and their cost is added to the owner's strategies.
+        """
         n_nodes = len(self.nodes)
         self.val: list = [None] * n_nodes
-        self.owner = list(range(n_nodes))     # the node whose choice decides this value
-        self.item: list = [None] * n_nodes    # getitem's index
-        self.follow: dict[int, tuple] = {}    # follower -> (input, strategy per input option)
+        self.owner = list(range(n_nodes))      # the node whose choice decides this value
+        self.item: list = [None] * n_nodes     # getitem's index
+        self.follow: dict[int, tuple] = {}     # follower -> (input position, Strategy per option of that input)
         self.inputs: list[list[int]] = [[] for _ in range(n_nodes)]
-        self.strats: dict[int, tuple] = {}    # owner -> Strategy tuple
-        self.compute: dict[int, np.ndarray] = {}  # owner -> seconds per strategy (followers included)
-        self.opts: list = [None] * n_nodes    # distinct output placements of each value
-        self.out_map: list = [None] * n_nodes  # owner strategy -> index in opts
+        self.strats: dict[int, tuple] = {}     # owner -> its Strategy tuple
+        self.node_compute: dict[int, np.ndarray] = {}  # owner/follower -> compute seconds per own strategy
+        self.obj: dict[int, np.ndarray] = {}   # owner -> seconds per strategy, its followers included
+        self.opts: list = [None] * n_nodes     # distinct output placements of each value
+        self.out_map: list = [None] * n_nodes  # owner strategy -> index into opts
         replicated = (Replicate(),) * len(self.mesh_shape)
         for i, n in enumerate(self.nodes):
             self.val[i] = n.meta.get("val") if n.op != "get_attr" else getattr(self.traced.graph_module, n.target)
@@ -151,52 +161,63 @@ class _Problem:
             if self._try_follow(i, n, strats, compute):
                 continue
             self.strats[i] = strats
-            self.compute[i] = compute
+            self.node_compute[i] = compute
+            self.obj[i] = compute.copy()
             self._set_outputs(i, [s.out for s in strats], np.arange(len(strats)))
 
     def _set_outputs(self, i: int, outs: list, through: np.ndarray) -> None:
-        """Value ``i`` has placement ``outs[j]`` when its owner's strategy maps to ``j`` via
-        ``through`` (owner strategy -> j)."""
+        """Value ``i`` is in placement ``outs[j]`` when its owner's strategy maps to ``j`` by
+        ``through`` (an array over the owner's strategies)."""
         opts = tuple(dict.fromkeys(outs))
         index = {p: j for j, p in enumerate(opts)}
         self.opts[i] = self._intern(opts)
         self.out_map[i] = np.array([index[p] for p in outs], dtype=np.int64)[through]
 
     def _try_follow(self, i: int, n: torch.fx.Node, strats: tuple, compute: np.ndarray) -> bool:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        """Make ``i`` a follower when it is a view whose one multi-option input can be read in
+        every one of its placements as it is (a view moves no bytes, so taking the input as it
+        comes loses nothing; any other op could do better by slicing or resharding first, and
+        stays an owner)."""
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or not is_view(n.target):
             return False
-        if not isinstance(self.val[i], torch.Tensor) or n.target is torch.ops.shardfn.constrain.default:
+        if not isinstance(self.val[i], torch.Tensor):
             return False
         ins = self.inputs[i]
-        multi = [j for j in ins if len(self.opts[j]) > 1]
+        multi = [k for k, j in enumerate(ins) if len(self.opts[j]) > 1]
         if len(multi) != 1:
             return False
-        u = multi[0]
-        k = ins.index(u)
-        fixed = {j: self.opts[ins[j]][0] for j in range(len(ins)) if j != k}
-        usable = [(s, c) for s, c in zip(strats, compute) if all(s.ins[j] == p for j, p in fixed.items())]
-        if not usable:
-            return False
+        k0 = multi[0]
+        u = ins[k0]
+        fixed = {k: self.opts[j][0] for k, j in enumerate(ins) if k != k0}
         best: dict = {}
-        for s, c in usable:
-            a = s.ins[k]
-            if a not in best or c < best[a][1]:
-                best[a] = (s, c)
-        val = self.val[u]
-        per_opt = []
-        for a in self.opts[u]:
-            if a in best:
-                per_opt.append(best[a])
-                continue
-            # an option the op cannot read as it is: redistribute to the cheapest one it can
-            s, c = min(usable, key=lambda sc: sc[1] + self.model.transition(val, a, sc[0].ins[k]).seconds)
-            per_opt.append((s, c + self.model.transition(val, a, s.ins[k]).seconds))
+        for s, c in zip(strats, compute):
+            if all(s.ins[k] == p for k, p in fixed.items()) and (s.ins[k0] not in best or c < best[s.ins[k0]][1]):
+                best[s.ins[k0]] = (s, c)
+        if any(a not in best for a in self.opts[u]):
+            return False
+        per_opt = tuple(best[a][0] for a in self.opts[u])
+        costs = np.array([best[a][1] for a in self.opts[u]])
         o = self.owner[u]
         self.owner[i] = o
-        self.follow[i] = (u, tuple(s for s, _ in per_opt))
-        self.compute[o] = self.compute[o] + np.array([c for _, c in per_opt])[self.out_map[u]]
-        self._set_outputs(i, [s.out for s, _ in per_opt], self.out_map[u])
+        self.follow[i] = (k0, per_opt)
+        self.node_compute[i] = costs
+        self.obj[o] = self.obj[o] + costs[self.out_map[u]]
+        self._set_outputs(i, [s.out for s in per_opt], self.out_map[u])
         return True
+
+    def strategy_of(self, i: int, choice: dict) -> "strategies.Strategy":
+        """The strategy owner or follower ``i`` runs under ``choice`` (owner -> strategy index)."""
+        if i in self.strats:
+            return self.strats[i][choice[i]]
+        k0, per_opt = self.follow[i]
+        return per_opt[self.out_map[self.inputs[i][k0]][choice[self.owner[i]]]]
+
+    def _needs(self, i: int, k: int) -> tuple:
+        """The placement owner/follower ``i`` reads its input ``k`` in, per strategy of its owner."""
+        if i in self.strats:
+            return tuple(s.ins[k] for s in self.strats[i])
+        k0, per_opt = self.follow[i]
+        return tuple(per_opt[j].ins[k] for j in self.out_map[self.inputs[i][k0]])
 
     def _candidates(self, i: int, n: torch.fx.Node, replicated: tuple):
         val = self.val[i]
@@ -236,8 +257,13 @@ class _Problem:
             v = self.val[i]
             return ("T", tuple(v.shape), v.dtype, tuple(v.stride()), id(self.opts[i]))
 
+        args = list(n.args)
+        if n.target is aten.select.int and len(args) > 2:
+            args[2] = None  # which layer is selected does not change the strategies
+        elif n.target is aten.select_backward.default and len(args) > 3:
+            args[3] = None
         try:
-            key = (n.target, _freeze(map_arg((n.args, n.kwargs), conv)), tuple(self.val[self.index[n]].shape) if isinstance(self.val[self.index[n]], torch.Tensor) else None)
+            key = (n.target, _freeze(map_arg((tuple(args), n.kwargs), conv)), tuple(self.val[self.index[n]].shape) if isinstance(self.val[self.index[n]], torch.Tensor) else None)
             hash(key)
             return key
         except TypeError:
@@ -274,6 +300,11 @@ class _Problem:
                 continue
             keep.append(strategies.Strategy(out, ins))
         keep = tuple(dict.fromkeys(keep))
+        # A strategy that reads a partial sum its producer can never make (it would turn a
+        # replicated value into a "share") is left out when there are others.
+        made = [set(self.opts[j]) for j in self.inputs[i]]
+        honest = tuple(s for s in keep if all(not _has_partial(p) or p in m for p, m in zip(s.ins, made)))
+        keep = honest or keep
         if not keep:
             raise ValueError(f"auto-sharding: no evenly divisible strategy for graph node {n.name!r} ({n.target})")
         return keep
@@ -314,7 +345,7 @@ class _Problem:
             self.cls = {}
             for o in owners:
                 n = self.nodes[o]
-                key = ("own", o) if n.op == "placeholder" else (colour[o], id(self.strats[o]), np.round(self.compute[o] * _US, 6).tobytes())
+                key = ("own", o) if n.op == "placeholder" else (colour[o], id(self.strats[o]), np.round(self.obj[o] * _US, 6).tobytes())
                 self.cls[o] = keys.setdefault(key, len(keys))
         self.n_classes = max(self.cls.values()) + 1 if self.cls else 0
         self.members: list[list[int]] = [[] for _ in range(self.n_classes)]
@@ -348,7 +379,7 @@ class _Problem:
         n_x = int(self.offset[-1])
         cost = np.zeros(n_x)
         for c, members in enumerate(self.members):
-            cost[self.offset[c]:self.offset[c + 1]] += len(members) * self.compute[self.rep[c]] * _US
+            cost[self.offset[c]:self.offset[c + 1]] += len(members) * self.obj[self.rep[c]] * _US
         self.forbid = np.zeros(n_x, dtype=bool)
         rows: list[np.ndarray] = []
         cols: list[np.ndarray] = []
@@ -362,31 +393,31 @@ class _Problem:
             data.append(np.ones(k))
             n_rows += 1
         self.n_onehot = n_rows
-        # edges, grouped by (producer class, getitem index, consumer class, arg) or sink target
+        # edges, grouped by (producer class, value, consumer class, what the consumer reads)
         groups: dict = {}
-        for v in self.strats:
+        for v in list(self.strats) + list(self.follow):
+            skip = self.follow[v][0] if v in self.follow else None
+            cv = self.cls[self.owner[v]]
             for k, u in enumerate(self.inputs[v]):
-                key = (self.cls[self.owner[u]], self._vsig(u), "arg", self.cls[v], k)
-                groups.setdefault(key, [u, v, k, 0])[3] += 1
+                if k == skip:
+                    continue  # a follower reads its followed input as it is (or pays inside obj)
+                needs = self._intern(self._needs(v, k))
+                key = (self.cls[self.owner[u]], self._vsig(u), cv, id(needs))
+                groups.setdefault(key, [u, cv, needs, 0])[3] += 1
         self.sinks = self._sinks()
-        for j, (u, target) in enumerate(self.sinks):
-            key = (self.cls[self.owner[u]], self._vsig(u), "sink", target if not isinstance(target, int) else ("ph", self.cls[target]))
-            groups.setdefault(key, [u, target, j, 0])[3] += 1
+        for u, target in self.sinks:
+            if isinstance(target, int):  # mirrored output: must come back as the input is
+                cv, needs = self.cls[target], self._intern(tuple(s.out for s in self.strats[target]))
+            else:
+                cv, needs = None, (target,)
+            key = (self.cls[self.owner[u]], self._vsig(u), cv, id(needs))
+            groups.setdefault(key, [u, cv, needs, 0])[3] += 1
         y_cost: list[float] = []
         n_y = 0
-        for key, (u, v, k, mult) in groups.items():
+        for u, cv, needs, mult in groups.values():
             cu = self.cls[self.owner[u]]
             src_opts = self.opts[u]
             src_map = self.out_map[u]
-            if key[2] == "arg":
-                cv = self.cls[v]
-                needs = [s.ins[k] for s in self.strats[v]]
-            elif isinstance(v, int):  # mirrored output: the placeholder's own choice
-                cv = self.cls[v]
-                needs = [s.out for s in self.strats[v]]
-            else:
-                cv = None
-                needs = [v]
             dst_opts = tuple(dict.fromkeys(needs))
             dst_index = {p: j for j, p in enumerate(dst_opts)}
             dst_map = np.array([dst_index[p] for p in needs], dtype=np.int64)
@@ -403,6 +434,7 @@ class _Problem:
             # transport: y[a, b] >= 0 with rows summing to the producer's choice and columns to
             # the consumer's; only finite pairs get a variable
             finite = np.argwhere(np.isfinite(table) & self._allowed(src_opts, dst_opts))
+            self._debug.append((u, cu, cv, mult, len(src_opts), len(dst_opts), len(finite)))
             ids = n_x + n_y + np.arange(len(finite))
             y_cost.extend(table[finite[:, 0], finite[:, 1]].tolist())
             n_y += len(finite)
@@ -567,34 +599,58 @@ class _Problem:
                     f"over the mesh {dict(zip(self.names, self.mesh_shape))}; pick a spec whose axes divide each dim"
                 )
             ub[self.offset[c]:self.offset[c + 1]][~np.array(allowed)] = 0
-        integrality = np.zeros(n_var)
-        integrality[: self.n_x] = 1
         a_eq = csr_matrix((self.data, (self.rows, self.cols)), shape=(self.n_rows, n_var))
         cuts: list[int] = self.reference_peaks() if budget is not None else []
-        status = "optimal"
-        for round_ in range(_MEMORY_ROUNDS + 1):
-            constraints = [LinearConstraint(a_eq, self.rhs, self.rhs)]
+        while True:
+            mem = None
             if cuts:
-                mem = np.array([self.memory_row(t) for t in cuts])
-                mem = np.hstack([mem, np.zeros((len(cuts), self.n_y))])
-                constraints.append(LinearConstraint(csr_matrix(mem), -np.inf, budget / _GIB))
-            left = max(0.5, time_limit_s - (time.perf_counter() - t0))
-            res = milp(self.c, integrality=integrality, bounds=Bounds(np.zeros(n_var), ub),
-                       constraints=constraints, options={"time_limit": left, "disp": _DISP})
-            if res.x is None:
-                if res.status == 2:
-                    return _Solution(None, "infeasible", time.perf_counter() - t0, res.message)
-                return _Solution(None, "time_limit", time.perf_counter() - t0, res.message)
+                mem = csr_matrix(np.hstack([np.array([self.memory_row(t) for t in cuts]), np.zeros((len(cuts), self.n_y))]))
+            left = time_limit_s - (time.perf_counter() - t0)
+            sol = self._solve_once(a_eq, mem, None if budget is None else budget / _GIB, ub, left)
+            sol.solve_s = time.perf_counter() - t0
+            sol.n_cuts = len(cuts)
+            if sol.choice is None or budget is None or len(cuts) >= _MEMORY_ROUNDS + 2:
+                return sol
+            peak, t = self.peak(sol.choice)
+            if peak <= budget * (1 + 1e-9) or t in cuts:
+                return sol
+            cuts.append(t)  # the true peak is elsewhere: constrain it there too and solve again
+
+    def _solve_once(self, a_eq, mem, mem_ub, ub, left: float) -> "_Solution":
+        """The LP relaxation first -- when it is integral (usual: edge-consistency is a
+        transport polytope) it is the ILP optimum -- else HiGHS' branch and bound."""
+        from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+
+        t0 = time.perf_counter()
+        n_var = self.n_x + self.n_y
+        bounds = np.stack([np.zeros(n_var), ub], axis=1)
+        lp = linprog(self.c, A_eq=a_eq, b_eq=self.rhs, A_ub=mem,
+                     b_ub=None if mem is None else np.full(mem.shape[0], mem_ub), bounds=bounds,
+                     method="highs", options={"time_limit": max(0.5, left), "disp": _DISP})
+        if lp.status == 2:
+            return _Solution(None, "infeasible", 0.0, lp.message)
+        if lp.x is None:
+            return _Solution(None, "time_limit", 0.0, lp.message)
+        x = lp.x[: self.n_x]
+        if np.all(np.minimum(x, 1 - x) < 1e-6):
+            return _Solution(self._decode(lp.x), "optimal", 0.0, "LP relaxation is integral", objective=lp.fun / _US,
+                             bound=lp.fun / _US)
+        integrality = np.zeros(n_var)
+        integrality[: self.n_x] = 1
+        constraints = [LinearConstraint(a_eq, self.rhs, self.rhs)]
+        if mem is not None:
+            constraints.append(LinearConstraint(mem, -np.inf, mem_ub))
+        left -= time.perf_counter() - t0
+        res = milp(self.c, integrality=integrality, bounds=Bounds(np.zeros(n_var), ub), constraints=constraints,
+                   options={"time_limit": max(0.5, left), "disp": _DISP, "mip_rel_gap": _GAP})
+        if res.x is not None:
             status = "optimal" if res.status == 0 else "time_limit"
-            choice = self._decode(res.x)
-            if budget is None:
-                break
-            peak, t = self.peak(choice)
-            if peak <= budget * (1 + 1e-9) or t in cuts or status != "optimal":
-                break
-            cuts.append(t)
-        return _Solution(choice, status, time.perf_counter() - t0, res.message, objective=res.fun / _US,
-                         n_cuts=len(cuts))
+            return _Solution(self._decode(res.x), status, 0.0, res.message, objective=res.fun / _US, bound=lp.fun / _US)
+        if res.status == 2:
+            return _Solution(None, "infeasible", 0.0, res.message)
+        # no incumbent in time: round the LP (each class takes its largest strategy)
+        return _Solution(self._decode(lp.x), "time_limit", 0.0, "rounded LP relaxation: " + res.message,
+                         bound=lp.fun / _US)
 
     def _decode(self, x: np.ndarray) -> dict[int, int]:
         choice = {}
@@ -608,21 +664,33 @@ class _Problem:
     def out_placement(self, i: int, choice: dict[int, int]):
         return self.opts[i][self.out_map[i][choice[self.owner[i]]]]
 
-    def evaluate(self, choice: dict[int, int]) -> tuple[Cost, list[Reshard], list]:
-        compute = sum(float(self.compute[o][s]) for o, s in choice.items())
-        comm = reshard = 0.0
-        moves: list[Reshard] = []
-        for v, ins in enumerate(self.inputs):
-            if v not in self.strats:
-                continue
-            need = self.strats[v][choice[v]].ins
-            for k, u in enumerate(ins):
+    def computed(self) -> list[int]:
+        """Owners and followers: the nodes that run an op under a strategy, in graph order."""
+        return sorted(list(self.strats) + list(self.follow))
+
+    def moves(self, choice: dict[int, int]) -> list[Reshard]:
+        """Every (value, consumer input) whose placement must change, under ``choice``."""
+        out = []
+        for v in self.computed():
+            need = self.strategy_of(v, choice).ins
+            for k, u in enumerate(self.inputs[v]):
                 src = self.out_placement(u, choice)
                 if src != need[k]:
                     tr = self.model.transition(self.val[u], src, need[k])
-                    comm += tr.comm_s
-                    reshard += tr.reshard_s
-                    moves.append(Reshard(self.nodes[u].name, self.nodes[v].name, k, src, need[k], tr))
+                    out.append(Reshard(self.nodes[u].name, self.nodes[v].name, k, src, need[k], tr))
+        return out
+
+    def evaluate(self, choice: dict[int, int]) -> tuple[Cost, list[Reshard], list]:
+        compute = 0.0
+        for v in self.computed():
+            if v in self.strats:
+                compute += float(self.node_compute[v][choice[v]])
+            else:
+                k0, _ = self.follow[v]
+                compute += float(self.node_compute[v][self.out_map[self.inputs[v][k0]][choice[self.owner[v]]]])
+        moves = self.moves(choice)
+        comm = sum(m.transition.comm_s for m in moves)
+        reshard = sum(m.transition.reshard_s for m in moves)
         sink_moves = []
         for j, (u, target) in enumerate(self.sinks):
             dst = self.out_placement(target, choice) if isinstance(target, int) else target
@@ -643,7 +711,8 @@ class _Solution:
     status: str
     solve_s: float
     message: str
-    objective: float = math.nan
+    objective: float = math.nan   # the ILP objective (seconds) of choice
+    bound: float = math.nan       # the LP relaxation's (a lower bound on any plan's)
     n_cuts: int = 0
 
 
@@ -899,28 +968,27 @@ def apply(traced: Traced, result: AutoResult) -> list:
         if isinstance(prob.val[i], torch.Tensor):
             n.meta["sf_force"] = prob.out_placement(i, choice)
     graph = gm.graph
-    for v, ins in enumerate(prob.inputs):
-        if v not in prob.strats or not ins:
-            continue
-        consumer = prob.nodes[v]
-        need = prob.strats[v][choice[v]].ins
+    nodes = {n.name: n for n in prob.nodes}
+    by_consumer: dict[str, dict[int, Reshard]] = {}
+    for m in result.reshards:
+        if m.consumer != "output":
+            by_consumer.setdefault(m.consumer, {})[m.arg] = m
+    for name, moves in by_consumer.items():
+        consumer = nodes[name]
         replace = {}
-        for k, u in enumerate(ins):
-            if prob.out_placement(u, choice) != need[k]:
-                with graph.inserting_before(consumer):
-                    alias = graph.call_function(aten.alias.default, (prob.nodes[u],))
-                alias.meta["val"] = prob.val[u]
-                alias.meta["sf_force"] = need[k]
-                alias.meta["sf_reshard"] = True
-                replace[k] = alias
-        if replace:
-            counter = iter(range(len(ins)))
+        for k, m in moves.items():
+            with graph.inserting_before(consumer):
+                alias = graph.call_function(aten.alias.default, (nodes[m.producer],))
+            alias.meta["val"] = nodes[m.producer].meta.get("val")
+            alias.meta["sf_force"] = m.dst
+            alias.meta["sf_reshard"] = True
+            replace[k] = alias
+        counter = iter(range(len(prob.inputs[prob.index[consumer]])))
 
-            def swap(a, replace=replace, counter=counter):
-                k = next(counter)
-                return replace.get(k, a)
+        def swap(a, replace=replace, counter=counter):
+            return replace.get(next(counter), a)
 
-            consumer.args, consumer.kwargs = map_arg((consumer.args, consumer.kwargs), swap)
+        consumer.args, consumer.kwargs = map_arg((consumer.args, consumer.kwargs), swap)
     gm.meta["sf_auto_applied"] = True
     graph.lint()
     gm.recompile()
@@ -1119,7 +1187,11 @@ def _has_partial(pl) -> bool:
 
 
 def _strided(pl) -> bool:
-    return pl is not None and any(strategies.is_strided(p) for p in pl)
+    """Placements the auto-sharder leaves out: strided shards, and partial max/min (only
+    amax-style reductions make them; they would double every element-wise op's options)."""
+    return pl is not None and any(
+        strategies.is_strided(p) or (isinstance(p, Partial) and p.reduce_op not in ("sum", "avg")) for p in pl
+    )
 
 
 def _strided_out(out) -> bool:
