@@ -211,7 +211,8 @@ def group_steps(actions: Sequence[Action]) -> tuple[tuple[Action, ...], ...]:
     waits on before the next step.
 
     Example:
-        group_steps([F0, SEND_F0, RECV_B0, B0])   # ((F0,), (SEND_F0, RECV_B0), (B0,))
+        steps = group_steps(add_communication(one_f_one_b(2, 2)).actions[0])
+        [len(s) for s in steps]   # [1, 1, 1, 2, 1, 1, 1]: SEND_F1 and RECV_B0 go together
     """
     steps: list[tuple[Action, ...]] = []
     batch: list[Action] = []
@@ -510,11 +511,6 @@ def _counterpart(a: Action, sched: Schedule) -> Action:
     return Action(kind, other, a.microbatch, peer=sched.stage_to_rank[a.stage])
 
 
-def _producer(a: Action) -> Action:
-    """For a send, the compute action whose output it carries (``B`` stands for ``B`` or ``I``)."""
-    return Action("F" if a.kind == "SEND_F" else "B", a.stage, a.microbatch)
-
-
 # ----------------------------------------------------------------------------- simulation
 
 
@@ -695,9 +691,11 @@ def _check_order(sched: Schedule) -> None:
         for i, a in enumerate(acts):
             first.setdefault(a, i)
 
-        def where(b: Action, i: int) -> str:  # "(step j)" if b comes later on this rank
+        def before(b: Action, i: int, what: str = "") -> str:  # the action at step i lacks b
             j = first.get(b)
-            return f" (step {j})" if j is not None and j > i else f" on rank {r}"
+            if j is not None and j > i:
+                return f"runs before {b} (step {j}){what}"
+            return f"needs {b} before it, and rank {r} never runs it"
 
         seen: set[Action] = set()
         for i, a in enumerate(acts):
@@ -709,14 +707,14 @@ def _check_order(sched: Schedule) -> None:
             if a.kind == "F" and s > 0:
                 prev = Action("F", s - 1, mb)
                 if s2r[s - 1] == r and prev not in seen:
-                    raise _err(r, i, a, f"runs before {prev}{where(prev, i)}, which feeds it")
+                    raise _err(r, i, a, before(prev, i, ", which feeds it"))
             if a.kind in ("B", "I"):
                 other = inp if a.kind == "B" else full
                 if other in seen:
                     raise _err(r, i, a, f"but {other} already ran at step {first[other]}: a "
                                         f"microbatch's backward is one B, or an I followed by a W")
                 if fwd not in seen:
-                    raise _err(r, i, a, f"runs before {fwd}{where(fwd, i)}")
+                    raise _err(r, i, a, before(fwd, i))
                 if s < last and s2r[s + 1] == r and not seen & {Action("B", s + 1, mb),
                                                               Action("I", s + 1, mb)}:
                     raise _err(r, i, a, f"runs before the backward of stage {s + 1} mb {mb} "
@@ -726,19 +724,20 @@ def _check_order(sched: Schedule) -> None:
                     raise _err(r, i, a, f"but the backward is a full B at step {first[full]}; drop "
                                         f"the W or split that B into I and W")
                 if inp not in seen:
-                    raise _err(r, i, a, f"runs before {inp}{where(inp, i)}; W needs its I first")
+                    raise _err(r, i, a, before(inp, i, "; W needs its I first"))
             if comm and not a.is_comm:
                 recv = _recv_for(a, sched)
                 if recv is not None and recv not in seen:
-                    raise _err(r, i, a, f"needs {recv} from rank {recv.peer} before it"
-                                        f"{where(recv, i)}; add it, or write no communication "
-                                        f"and call add_communication()")
+                    j = first.get(recv)
+                    late = f" (it is at step {j})" if j is not None else ""
+                    raise _err(r, i, a, f"needs {recv} from rank {recv.peer} before it{late}; "
+                                        f"move or add it, or write no communication and call "
+                                        f"add_communication()")
             if a.kind in ("SEND_F", "SEND_B"):
                 producers = [fwd] if a.kind == "SEND_F" else [full, inp]
                 if not seen & set(producers):
                     p = next((b for b in producers if b in first), producers[0])
-                    raise _err(r, i, a, f"runs before {p}{where(p, i)}, which computes what it "
-                                        f"sends")
+                    raise _err(r, i, a, before(p, i, ", which computes what it sends"))
             seen.add(a)
 
 
@@ -771,15 +770,7 @@ def _check_p2p(sched: Schedule) -> None:
                 continue
             match = _counterpart(a, sched)
             if match not in index[a.peer]:
-                producer = _producer(match) if match.kind.startswith("SEND") else None
-                hint = (f" (after {producer} there)" if producer is not None and producer.kind == "F"
-                        else " (after that backward there)" if producer is not None else "")
-                raise _err(r, i, a, f"has no matching {match.kind} from rank {a.peer}: add "
-                                    f"{match} on rank {a.peer}{hint}, or write no communication "
-                                    f"and call add_communication()"
-                           if a.kind.startswith("RECV") else
-                           f"has no matching {match.kind} on rank {a.peer}: add {match} there "
-                           f"before the action that uses it")
+                raise _err(r, i, a, _unmatched(a, match))
             src, dst = (r, a.peer) if a.kind.startswith("SEND") else (a.peer, r)
             channels.setdefault((src, dst), ([], []))[0 if a.kind.startswith("SEND") else 1].append(i)
     for (src, dst), (sends, recvs) in channels.items():
@@ -792,6 +783,15 @@ def _check_p2p(sched: Schedule) -> None:
                                       f"receives; swap them on one side")
             partner[(src, i)], partner[(dst, j)] = (dst, j), (src, i)
     _run_blocking(sched, partner)
+
+
+def _unmatched(a: Action, match: Action) -> str:
+    if a.kind.startswith("SEND"):
+        return (f"has no matching {match.kind} on rank {a.peer}: add {match} there before the "
+                f"action that uses it")
+    after = f"F(stage={match.stage}, mb={match.microbatch})" if a.kind == "RECV_F" else "its B or I"
+    return (f"has no matching {match.kind} from rank {a.peer}: add {match} on rank {a.peer} after "
+            f"{after}, or write no communication and call add_communication()")
 
 
 def _run_blocking(sched: Schedule, partner: dict[tuple[int, int], tuple[int, int]]) -> None:

@@ -243,6 +243,8 @@ def test_duplicate_missing_and_misplaced_actions():
                 rank=1, step=None, m=2)
     check_error(["F0@s0 B0@s0 F0@s1", "B0@s1"], r"^rank 0 step 2: F\(stage=1, mb=0\) is on rank 0, but stage 1 lives on rank 1",
                 rank=0, step=2)
+    check_error(["B0@s0", "F0@s1 B0@s1"], r"^rank 0 step 0: B\(stage=0, mb=0\) needs F\(stage=0, mb=0\) "
+                r"before it, and rank 0 never runs it", rank=0, step=0)
     check_error(["F0@s0 B0@s0 W0@s0", "F0@s1 B0@s1"], r"^rank 0 step 2: W\(stage=0, mb=0\) but the backward is a full B",
                 rank=0, step=2)
     check_error(["F0@s0 SEND_F0@s0 B0@s0", "F0@s1 B0@s1"], r"is not needed: stages 0 and 1 both live on rank 0",
