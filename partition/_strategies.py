@@ -108,14 +108,13 @@ def _out_metas(out_val):
     return tuple(tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in out_val)
 
 
-def _single_dim(op, args, kwargs, device_mesh, out_val):
-    """Expand one-mesh-dim rules to the whole mesh (inputs: one representative placement each,
-    so DTensor's cost bookkeeping stays O(strategies))."""
+def _single_dim(op, args, kwargs, device_mesh, out_val) -> list[Strategy]:
+    """Expand one-mesh-dim rules over every mesh dim (what DTensor's
+    ``expand_to_full_mesh_op_strategy`` does, without building specs and costs we do not use)."""
     from torch.distributed.tensor._ops.single_dim_strategy import (
         _fill_single_dim_strategy_placeholders,
         _insert_single_dim_replication_strategy,
     )
-    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
     info = _propagator().op_single_dim_strategy_funcs[op]
     replicated = (Replicate(),) * device_mesh.ndim
@@ -126,11 +125,26 @@ def _single_dim(op, args, kwargs, device_mesh, out_val):
     n_out = len(rules[0]) - n_in if rules else (1 if isinstance(out_val, torch.Tensor) else len(out_val))
     rules = _insert_single_dim_replication_strategy(rules, n_out, n_in, out_meta)
     rules = _fill_single_dim_strategy_placeholders({Shard(0)}, rules)
-    strategy = expand_to_full_mesh_op_strategy(
-        device_mesh, schema, rules, output_tensor_meta=out_meta, input_index=n_out,
-        allow_unbacked_sharding=info.allow_unbacked_sharding,
-    )
-    return strategy.strategies
+    multi_out = not isinstance(out_val, torch.Tensor)
+    found = []
+    for combo in itertools.product(rules, repeat=device_mesh.ndim):
+        columns = [tuple(rule[pos] for rule in combo) for pos in range(n_out + n_in)]
+        if any(_mixed(col) for col in columns):
+            continue
+        outs = tuple(None if any(p is None for p in col) else col for col in columns[:n_out])
+        ins = tuple(columns[n_out:])
+        if any(any(p is None for p in col) for col in ins):
+            continue
+        found.append(Strategy(outs if multi_out else outs[0], ins))
+    return found
+
+
+def _mixed(placements) -> bool:
+    """Different kinds of partial sums on one tensor (sum with avg is fine), which DTensor skips."""
+    kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+    if len(kinds) <= 1:
+        return False
+    return not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"})
 
 
 def _registered(op, args, kwargs, device_mesh):
@@ -169,8 +183,8 @@ def op_strategies(op, args: tuple, kwargs: dict, device_mesh, out_val) -> list[S
     sp = _propagator()
     try:
         if op in sp.op_single_dim_strategy_funcs:
-            specs = _single_dim(op, args, kwargs, device_mesh, out_val)
-        elif op in sp.op_strategy_funcs:
+            return _single_dim(op, args, kwargs, device_mesh, out_val)
+        if op in sp.op_strategy_funcs:
             specs = _registered(op, args, kwargs, device_mesh)
         else:
             raise NoStrategy(f"DTensor has no sharding strategy for {op}")

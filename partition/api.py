@@ -19,7 +19,7 @@ from shardfn.partition import report
 from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
-from shardfn.partition.spec import AUTO, P, broadcast_specs, check_divisible, to_placements
+from shardfn.partition.spec import AUTO, P, broadcast_specs, check_divisible
 from shardfn.partition.trace import Traced, flatten_args, trace
 
 
@@ -125,14 +125,13 @@ class Jitted:
             return self._cache[key]
         if self.in_specs is AUTO:
             raise NotImplementedError("in_specs=sf.AUTO needs the auto-sharding solver (shardfn.partition.auto)")
-        names = self.mesh.names
         with mesh_scope(self.mesh):
             traced = trace(self.fn, args)
         in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
         in_placements = []
         for spec, meta, path in zip(in_specs, traced.in_meta, traced.in_paths):
             where = f"input {_pretty(path, self.arg_names)}"
-            pl = to_placements(spec, meta.ndim, names, where=where)
+            pl = self.mesh.placements(spec, meta.ndim, where=where)
             check_divisible(meta.shape, spec, self.mesh.axes, where=where)
             in_placements.append(pl)
         out_tree = optree.tree_unflatten(traced.out_treedef, traced.out_meta)
@@ -140,7 +139,7 @@ class Jitted:
         out_placements = []
         for i, (spec, meta) in enumerate(zip(out_specs, traced.out_meta)):
             where = f"output {i} {tuple(meta.shape)}"
-            out_placements.append(to_placements(spec, meta.ndim, names, where=where))
+            out_placements.append(self.mesh.placements(spec, meta.ndim, where=where))
             check_divisible(meta.shape, spec, self.mesh.axes, where=where)
         arg_of_leaf = _arg_index_of_leaves(args)
         stored = [i in self.fsdp_argnums for i in arg_of_leaf]

@@ -102,6 +102,8 @@ class _Problem:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self._interned: dict = {}
+        self._by_ids: dict = {}
+        self._tables: dict = {}
         self._cache: dict = {}
         self._pairs: dict = {}
         self._debug: list = []
@@ -116,11 +118,20 @@ class _Problem:
         if pl is None:
             return None
         if pl and isinstance(pl[0], (tuple, type(None))):
-            return tuple(self._norm(p) for p in pl)
-        return tuple(Replicate() if size == 1 else p for p, size in zip(pl, self.mesh_shape))
+            return self._intern(tuple(self._norm(p) for p in pl))
+        return self._intern(tuple(Replicate() if size == 1 else p for p, size in zip(pl, self.mesh_shape)))
 
     def _intern(self, value):
+        """One object per distinct placement tuple (and per tuple of them), so that the hot
+        paths compare and hash by identity (torch's Placement hashing is Python code)."""
         return self._interned.setdefault(value, value)
+
+    def _intern_ids(self, items: tuple) -> tuple:
+        """Intern a tuple of already interned objects, keyed by their identities."""
+        return self._by_ids.setdefault(tuple(map(id, items)), items)
+
+    def _distinct(self, items) -> tuple:
+        return self._intern_ids(tuple({id(p): p for p in items}.values()))
 
     def _analyse(self) -> None:
         """Candidates per node, in three kinds.
@@ -146,7 +157,7 @@ class _Problem:
         self.obj: dict[int, np.ndarray] = {}   # owner -> seconds per strategy, its followers included
         self.opts: list = [None] * n_nodes     # distinct output placements of each value
         self.out_map: list = [None] * n_nodes  # owner strategy -> index into opts
-        replicated = (Replicate(),) * len(self.mesh_shape)
+        replicated = self._intern((Replicate(),) * len(self.mesh_shape))
         for i, n in enumerate(self.nodes):
             self.val[i] = n.meta.get("val") if n.op != "get_attr" else getattr(self.traced.graph_module, n.target)
             self.inputs[i] = [self.index[a] for a in _node_args(n)]
@@ -168,10 +179,10 @@ class _Problem:
     def _set_outputs(self, i: int, outs: list, through: np.ndarray) -> None:
         """Value ``i`` is in placement ``outs[j]`` when its owner's strategy maps to ``j`` by
         ``through`` (an array over the owner's strategies)."""
-        opts = tuple(dict.fromkeys(outs))
-        index = {p: j for j, p in enumerate(opts)}
-        self.opts[i] = self._intern(opts)
-        self.out_map[i] = np.array([index[p] for p in outs], dtype=np.int64)[through]
+        opts = self._distinct(outs)
+        index = {id(p): j for j, p in enumerate(opts)}
+        self.opts[i] = opts
+        self.out_map[i] = np.array([index[id(p)] for p in outs], dtype=np.int64)[through]
 
     def _try_follow(self, i: int, n: torch.fx.Node, strats: tuple, compute: np.ndarray) -> bool:
         """Make ``i`` a follower when it is a view whose one multi-option input can be read in
@@ -191,12 +202,13 @@ class _Problem:
         fixed = {k: self.opts[j][0] for k, j in enumerate(ins) if k != k0}
         best: dict = {}
         for s, c in zip(strats, compute):
-            if all(s.ins[k] == p for k, p in fixed.items()) and (s.ins[k0] not in best or c < best[s.ins[k0]][1]):
-                best[s.ins[k0]] = (s, c)
-        if any(a not in best for a in self.opts[u]):
+            a = id(s.ins[k0])
+            if all(s.ins[k] is p for k, p in fixed.items()) and (a not in best or c < best[a][1]):
+                best[a] = (s, c)
+        if any(id(a) not in best for a in self.opts[u]):
             return False
-        per_opt = tuple(best[a][0] for a in self.opts[u])
-        costs = np.array([best[a][1] for a in self.opts[u]])
+        per_opt = tuple(best[id(a)][0] for a in self.opts[u])
+        costs = np.array([best[id(a)][1] for a in self.opts[u]])
         o = self.owner[u]
         self.owner[i] = o
         self.follow[i] = (k0, per_opt)
@@ -222,7 +234,7 @@ class _Problem:
     def _candidates(self, i: int, n: torch.fx.Node, replicated: tuple):
         val = self.val[i]
         if n.op == "placeholder":
-            opts = strategies.placement_options(val.shape, self.mesh_shape)
+            opts = [self._intern(p) for p in strategies.placement_options(val.shape, self.mesh_shape)]
             return self._intern(tuple(strategies.Strategy(p, ()) for p in opts)), np.zeros(len(opts))
         target = n.target
         if n.op == "get_attr" or not self.inputs[i]:
@@ -401,13 +413,13 @@ class _Problem:
             for k, u in enumerate(self.inputs[v]):
                 if k == skip:
                     continue  # a follower reads its followed input as it is (or pays inside obj)
-                needs = self._intern(self._needs(v, k))
+                needs = self._intern_ids(self._needs(v, k))
                 key = (self.cls[self.owner[u]], self._vsig(u), cv, id(needs))
                 groups.setdefault(key, [u, cv, needs, 0])[3] += 1
         self.sinks = self._sinks()
         for u, target in self.sinks:
             if isinstance(target, int):  # mirrored output: must come back as the input is
-                cv, needs = self.cls[target], self._intern(tuple(s.out for s in self.strats[target]))
+                cv, needs = self.cls[target], self._intern_ids(tuple(s.out for s in self.strats[target]))
             else:
                 cv, needs = None, (target,)
             key = (self.cls[self.owner[u]], self._vsig(u), cv, id(needs))
@@ -418,11 +430,11 @@ class _Problem:
             cu = self.cls[self.owner[u]]
             src_opts = self.opts[u]
             src_map = self.out_map[u]
-            dst_opts = tuple(dict.fromkeys(needs))
-            dst_index = {p: j for j, p in enumerate(dst_opts)}
-            dst_map = np.array([dst_index[p] for p in needs], dtype=np.int64)
+            dst_opts = self._distinct(needs)
+            dst_index = {id(p): j for j, p in enumerate(dst_opts)}
+            dst_map = np.array([dst_index[id(p)] for p in needs], dtype=np.int64)
             val = self.val[u]
-            table = np.array([[self.model.transition(val, a, b).seconds for b in dst_opts] for a in src_opts]) * mult * _US
+            table = self._table(val, src_opts, dst_opts) * mult * _US
             xs_u = np.arange(self.offset[cu], self.offset[cu + 1])
             if cv is None or len(dst_opts) == 1:  # the need is fixed: linear in the producer's choice
                 self._linear(cost, xs_u, table[src_map, 0])
@@ -478,6 +490,16 @@ class _Problem:
             self._pairs[key] = hit
         return hit
 
+    def _table(self, val, src_opts: tuple, dst_opts: tuple) -> np.ndarray:
+        """Transition seconds from each producer option to each consumer need."""
+        key = (tuple(val.shape), val.dtype, id(src_opts), id(dst_opts))
+        hit = self._tables.get(key)
+        if hit is None:
+            hit = np.array([[0.0 if a is b else self.model.transition(val, a, b).seconds for b in dst_opts]
+                            for a in src_opts])
+            self._tables[key] = hit
+        return hit
+
     def _vsig(self, u: int) -> tuple:
         """What identifies value ``u`` within its owner's class: shape and placement map."""
         v = self.val[u]
@@ -503,7 +525,7 @@ class _Problem:
             if ph is not None and tuple(ph.meta["val"].shape) == tuple(val.shape) and ph.meta["val"].dtype == val.dtype:
                 sinks.append((u, self.index[ph]))
             else:
-                sinks.append((u, (Replicate(),) * len(self.mesh_shape)))
+                sinks.append((u, self._intern((Replicate(),) * len(self.mesh_shape))))
         return sinks
 
     # -- memory ------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import optree
 import torch
 
 from shardfn.partition.constrain import tracing
-from shardfn.partition.spec import broadcast_specs, to_placements
+from shardfn.partition.spec import broadcast_specs
 
 _state = threading.local()
 
@@ -211,7 +211,3 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | No
 
     wrapped.region = reg
     return wrapped
-
-
-def leaf_placements(specs: list, tensors: list, names) -> list:
-    return [to_placements(s, t.ndim, names, where="local_map spec") for s, t in zip(specs, tensors)]

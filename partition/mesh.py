@@ -23,7 +23,8 @@ _LAUNCH_HINT = (
 class Mesh:
     """A named device mesh. ``axes`` maps axis name -> size, major to minor.
 
-    Axes of size 1 are kept (so specs naming them stay valid) and cost nothing.
+    Axes of size 1 are kept (so specs naming them stay valid) but get no device-mesh dim, so
+    they cost nothing: ``dims`` are the axes the device mesh really has.
 
     Args:
         axes: ordered mapping of axis name to size, e.g. ``{"dp": 2, "tp": 2}``.
@@ -56,7 +57,9 @@ class Mesh:
             )
         if device == "cuda":
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-        dm = init_device_mesh(device, tuple(axes.values()), mesh_dim_names=tuple(axes))
+        dims = tuple(a for a, s in axes.items() if s > 1) or (next(iter(axes)),)
+        object.__setattr__(self, "dims", dims)
+        dm = init_device_mesh(device, tuple(axes[a] for a in dims), mesh_dim_names=dims)
         object.__setattr__(self, "device_mesh", dm)
 
     @property
@@ -78,17 +81,23 @@ class Mesh:
     def rank(self) -> int:
         return dist.get_rank()
 
+    def placements(self, spec, ndim: int, *, where: str = "value") -> tuple:
+        """DTensor placements over this mesh's dims for ``spec`` (see ``spec.to_placements``)."""
+        from shardfn.partition.spec import to_placements
+
+        return to_placements(spec, ndim, self.dims, where=where, known=self.names)
+
     def axis_of_group(self, group_name: str) -> str:
         """The mesh axis whose process group has this name (as functional collectives record it)."""
-        for name in self.names:
+        for name in self.dims:
             if self.device_mesh.get_group(name).group_name == group_name:
                 return name
         raise KeyError(f"no mesh axis owns process group {group_name!r}")
 
     def coordinate(self) -> dict[str, int]:
         """This rank's coordinate along each axis."""
-        coord = self.device_mesh.get_coordinate()
-        return dict(zip(self.names, coord))
+        coord = dict(zip(self.dims, self.device_mesh.get_coordinate()))
+        return {a: coord.get(a, 0) for a in self.names}
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{k}={v}" for k, v in self.axes.items())

@@ -414,7 +414,8 @@ def valid_cuts(order: list[fx.Node]) -> list[CutPoint]:
     delta = [0] * (n + 2)
     delta_sum = [0] * (n + 2)
     for i, node in enumerate(order):
-        last = max((index.get(u, n) for u in node.users), default=i)  # the output node counts as n
+        # users outside the order are the output (position n) or dead code (ignored)
+        last = max((index[u] if u in index else n if u.op == "output" else i for u in node.users), default=i)
         if last > i:  # live on positions i+1 .. last
             delta[i + 1] += 1
             delta[last + 1] -= 1
@@ -818,7 +819,8 @@ def _dedupe(xs: list) -> list:
 
 
 def build_pipeline(loss_fn: Callable, params: Any, microbatch: Any, n_stages: int | None = None, *,
-                   bytes_weight: float = 1.0, device: torch.device | str | None = None) -> Pipeline:
+                   split: Iterable[int] | None = None, bytes_weight: float = 1.0,
+                   device: torch.device | str | None = None) -> Pipeline:
     """Split ``loss_fn(params, batch)`` into ``n_stages`` pipeline stages with F / I / W programs.
 
     Args:
@@ -826,6 +828,7 @@ def build_pipeline(loss_fn: Callable, params: Any, microbatch: Any, n_stages: in
         params: the parameter tree (real or fake tensors: only shapes and dtypes are read).
         microbatch: ONE microbatch of the batch (``{"inputs": [b, S], "targets": [b, S]}``).
         n_stages: number of stages; None: one per ``sf.pipeline_split`` marker + 1 (1 without).
+        split: the stages to build F / I / W programs for (None: all); a rank needs only its own.
         bytes_weight: cost per parameter byte a stage holds, added to its FLOPs when balancing.
         device: where the programs' constants live (default: the parameters' device).
 
@@ -839,7 +842,8 @@ def build_pipeline(loss_fn: Callable, params: Any, microbatch: Any, n_stages: in
         leaves = optree.tree_leaves(params)
         device = leaves[0].device if leaves else torch.device("cpu")
     for s in stages:
-        split_fiw(s, device)
+        if split is None or s.index in set(split):
+            split_fiw(s, device)
     owner: dict[str, list[int]] = {p: [] for p in traced.param_specs}
     for s in stages:
         for p in s.param_paths:

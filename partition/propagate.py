@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from shardfn.partition import _torch_private as private
 from shardfn.partition import local_map, rules
 from shardfn.partition.constrain import decode_spec
-from shardfn.partition.spec import check_divisible, describe, to_placements
+from shardfn.partition.spec import check_divisible, describe
 
 aten = torch.ops.aten
 
@@ -69,8 +69,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
         rules.register_all()
         self.mesh = mesh
         self.dmesh = mesh.device_mesh
-        self.names = mesh.names
-        self.fsdp_dims = [self.names.index(a) for a in fsdp_axes if a in self.names and mesh.axes[a] > 1]
+        self.names = mesh.dims  # mesh-dim index -> axis name
+        self.fsdp_dims = [self.names.index(a) for a in fsdp_axes if a in self.names]
         self.stored_nodes: set[torch.fx.Node] = set()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.stored_nodes.update(n for n, s in zip(placeholders, stored) if s)
@@ -138,14 +138,14 @@ class ShardingInterpreter(torch.fx.Interpreter):
                 f"{other_node.name!r} and {key} at {n.name!r}; constrain a value to one spec"
             )
         self.constrained[src] = (key, n)
-        placements = to_placements(spec, x.ndim, self.names, where=f"sf.constrain at {_where(n)}")
+        placements = self.mesh.placements(spec, x.ndim, where=f"sf.constrain at {_where(n)}")
         check_divisible(x.shape, spec, self.mesh.axes, where=f"sf.constrain at {_where(n)}")
         return x.redistribute(self.dmesh, placements)
 
     def _to_local(self, xs, specs, n) -> list:
         out = []
         for x, spec in zip(xs, specs):
-            pl = to_placements(spec, x.ndim, self.names, where=f"sf.local_map input at {_where(n)}")
+            pl = self.mesh.placements(spec, x.ndim, where=f"sf.local_map input at {_where(n)}")
             check_divisible(x.shape, spec, self.mesh.axes, where=f"sf.local_map input at {_where(n)}")
             out.append(x.redistribute(self.dmesh, pl).to_local())
         return out
@@ -153,7 +153,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
     def _from_local(self, locals_, specs, metas) -> list:
         out = []
         for t, spec, meta in zip(locals_, specs, metas):
-            pl = to_placements(spec, t.ndim, self.names, where="sf.local_map output")
+            pl = self.mesh.placements(spec, t.ndim, where="sf.local_map output")
             out.append(DTensor.from_local(t, self.dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride()))
         return out
 
@@ -170,10 +170,10 @@ class ShardingInterpreter(torch.fx.Interpreter):
         grads = local_map.vjp_flat(reg, local_xs, local_outs, local_gs)
         # The region varies along every axis some input is split over; an input replicated
         # along such an axis gets per-rank cotangent contributions, i.e. a Partial sum there.
-        varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes()}
+        varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes() if a in self.names}
         out = []
         for g, spec, meta in zip(grads, reg.in_leaf_specs, n.meta["val"]):
-            pl = list(to_placements(spec, g.ndim, self.names, where="sf.local_map cotangent"))
+            pl = list(self.mesh.placements(spec, g.ndim, where="sf.local_map cotangent"))
             pl = [Partial() if d in varying and isinstance(p, Replicate) else p for d, p in enumerate(pl)]
             out.append(DTensor.from_local(g, self.dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride()))
         return out

@@ -101,7 +101,7 @@ def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mes
     emitted: dict[str, list[str]] = defaultdict(list)
     for row in collectives(local_gm, mesh):
         emitted[row["node"]].append(f"{row['op']}[{row['axis']}] {row['bytes']} B")
-    names = mesh.names
+    names = mesh.dims
     lines = [f"# mesh {mesh}", "# value : placements  (S(d) = sharded on dim d, P = partial sum, R = replicated)"]
     ph = iter(paths)
     for n in global_gm.graph.nodes:

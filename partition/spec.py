@@ -62,11 +62,14 @@ def is_spec(x: Any) -> bool:
     return isinstance(x, P) or x is None or x is AUTO
 
 
-def to_placements(spec: P | None, ndim: int, axis_names: Sequence[str], *, where: str = "value") -> tuple[Placement, ...]:
-    """Placements (one per mesh dim) for a tensor of ``ndim`` dims under ``spec``.
+def to_placements(
+    spec: P | None, ndim: int, axis_names: Sequence[str], *, where: str = "value", known: Sequence[str] = ()
+) -> tuple[Placement, ...]:
+    """Placements (one per mesh dim, ``axis_names``) for a tensor of ``ndim`` dims under ``spec``.
 
-    Raises ValueError naming ``where`` for an unknown axis, an axis used twice, or more entries
-    than dims.
+    ``known`` are further valid axis names that have no mesh dim (size-1 axes): naming them
+    splits nothing. Raises ValueError naming ``where`` for an unknown axis, an axis used twice,
+    or more entries than dims.
     """
     spec = P() if spec is None else spec
     if len(spec) > ndim:
@@ -76,17 +79,18 @@ def to_placements(spec: P | None, ndim: int, axis_names: Sequence[str], *, where
     for dim, entry in enumerate(spec):
         names = [entry] if isinstance(entry, str) else list(entry or ())
         for name in names:
-            if name not in axis_names:
-                raise ValueError(
-                    f"{where}: unknown mesh axis {name!r} in {spec!r}; the mesh has axes {tuple(axis_names)}"
-                )
+            if name not in axis_names and name not in known:
+                valid = tuple(known) or tuple(axis_names)
+                raise ValueError(f"{where}: unknown mesh axis {name!r} in {spec!r}; the mesh has axes {valid}")
             if name in seen:
                 raise ValueError(f"{where}: mesh axis {name!r} is used twice in {spec!r}")
             seen.add(name)
+            if name not in axis_names:
+                continue  # a size-1 axis: nothing to split
             # Splitting one dim over several axes: DTensor orders shards by mesh dim, so the axes
             # of one entry must follow the mesh order (major to minor).
             placements[list(axis_names).index(name)] = Shard(dim)
-        idx = [list(axis_names).index(n) for n in names]
+        idx = [list(axis_names).index(n) for n in names if n in axis_names]
         if idx != sorted(idx):
             raise ValueError(
                 f"{where}: the axes {tuple(names)} of dim {dim} in {spec!r} must follow the mesh order {tuple(axis_names)}"
