@@ -1,0 +1,197 @@
+"""Llama 3 dense transformer as pure functions over a stacked parameter tree.
+
+    cfg = Config.from_dict({"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2})
+    params = init(cfg, seed=0)
+    logits = apply(params, tokens, cfg)                       # [B, S] -> [B, S, vocab]
+    loss(params, {"inputs": tokens, "targets": targets}, cfg)  # mean cross-entropy
+
+Parameters (``L`` layers, ``D`` dim, ``H``/``Hkv`` heads, ``hd`` head dim, ``F`` ffn dim, ``V`` vocab):
+
+    embed               [V, D]          (vocab, embed)
+    layers.attn_norm    [L, D]          (layers, norm)
+    layers.attn.wq      [L, D, H*hd]    (layers, embed, heads)
+    layers.attn.wk      [L, D, Hkv*hd]  (layers, embed, kv_heads)
+    layers.attn.wv      [L, D, Hkv*hd]  (layers, embed, kv_heads)
+    layers.attn.wo      [L, H*hd, D]    (layers, heads, embed)
+    layers.mlp_norm     [L, D]          (layers, norm)
+    layers.mlp.w1       [L, D, F]       (layers, embed, mlp)
+    layers.mlp.w3       [L, D, F]       (layers, embed, mlp)
+    layers.mlp.w2       [L, F, D]       (layers, mlp, embed)
+    norm                [D]             (norm,)
+    out                 [D, V]          (embed, vocab)      absent when tie_embeddings
+
+RoPE uses the "rotate half" convention (see ``shardfn.core.layers``). No parallelism here: the
+partitioner shards this code from ``param_axes`` and rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardfn.core import layers as L
+from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked
+from shardfn.core.pytree import PyTree, tree_map
+from shardfn.models import check, config_from_dict
+
+
+@dataclass(frozen=True)
+class Config:
+    """Llama hyperparameters. Defaults are the tiny debug model (``llama_tiny``).
+
+    Named sizes:
+
+        name        vocab_size  dim   n_layers  n_heads  n_kv_heads  ffn_dim  rope_theta
+        llama_tiny  256         64    2         4        2           256      10000
+        llama3_8b   128256      4096  32        32       8           14336    500000
+    """
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # logits = h @ embed.T, no separate ``out``
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self):
+        for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        check(self.dim % self.n_heads == 0, "n_heads", f"= {self.n_heads} must divide model.dim = {self.dim}")
+        check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+              f"= {self.n_kv_heads} must divide model.n_heads = {self.n_heads} (grouped-query attention)")
+        check(self.head_dim % 2 == 0, "n_heads",
+              f"= {self.n_heads} gives an odd head dim {self.head_dim} (dim / n_heads); RoPE needs it even")
+        check(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        check(self.norm_eps > 0, "norm_eps", f"must be > 0, got {self.norm_eps}")
+        check(self.init_std > 0, "init_std", f"must be > 0, got {self.init_std}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """A validated Config from the ``model`` section of a run config (without ``name``).
+
+        Raises:
+            ValueError: naming the key (``model.n_kv_heads``) for unknown keys, wrong types or
+                inconsistent sizes.
+
+        Example:
+            Config.from_dict({"dim": 128, "n_heads": 8})
+        """
+        return config_from_dict(cls, d)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def param_table(cfg: Config) -> PyTree:
+    """Every parameter's shape, logical axes and initialiser (see the module docstring)."""
+    D, F_, V, hd, std = cfg.dim, cfg.ffn_dim, cfg.vocab_size, cfg.head_dim, cfg.init_std
+    layer = {
+        "attn_norm": ones((D,), ("norm",)),
+        "attn": {
+            "wq": normal((D, cfg.n_heads * hd), ("embed", "heads"), std),
+            "wk": normal((D, cfg.n_kv_heads * hd), ("embed", "kv_heads"), std),
+            "wv": normal((D, cfg.n_kv_heads * hd), ("embed", "kv_heads"), std),
+            "wo": normal((cfg.n_heads * hd, D), ("heads", "embed"), std),
+        },
+        "mlp_norm": ones((D,), ("norm",)),
+        "mlp": {
+            "w1": normal((D, F_), ("embed", "mlp"), std),
+            "w3": normal((D, F_), ("embed", "mlp"), std),
+            "w2": normal((F_, D), ("mlp", "embed"), std),
+        },
+    }
+    table = {"embed": normal((V, D), ("vocab", "embed"), std), "layers": stacked(cfg.n_layers, layer),
+             "norm": ones((D,), ("norm",))}
+    if not cfg.tie_embeddings:
+        table["out"] = normal((D, V), ("embed", "vocab"), std)
+    return table
+
+
+def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> PyTree:
+    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing).
+
+    Example:
+        params = init(Config(), seed=0)
+        params["layers"]["attn"]["wq"].shape  # torch.Size([2, 64, 64])
+    """
+    return init_params(param_table(cfg), seed, device=device, dtype=dtype)
+
+
+def param_axes(cfg: Config) -> PyTree:
+    """Logical axis names of every parameter dim, in the params' tree structure.
+
+    Example:
+        param_axes(Config())["layers"]["attn"]["wq"]  # ("layers", "embed", "heads")
+    """
+    return axes_of(param_table(cfg))
+
+
+def param_counts(cfg: Config) -> dict[str, int]:
+    """``{"total", "active"}`` from shapes only; a dense model uses every parameter per token.
+
+    Example:
+        param_counts(Config.from_dict({...llama3_8b...}))  # {"total": 8030261248, "active": 8030261248}
+    """
+    total = count_params(param_table(cfg))
+    return {"total": total, "active": total}
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def block(p: PyTree, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """One pre-norm transformer layer; ``p`` is one layer's slice of ``params["layers"]``."""
+    h = h + L.gqa_attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, head_dim=cfg.head_dim)
+    return h + L.swiglu(p["mlp"], L.rms_norm(h, p["mlp_norm"], cfg.norm_eps))  # [B, S, D]
+
+
+def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Logits for ``tokens``.
+
+    Args:
+        params: from :func:`init`.
+        tokens: ``[B, S]`` int64.
+        cfg: the model's Config.
+
+    Returns:
+        ``[B, S, vocab]`` in the params' dtype.
+
+    Example:
+        logits = apply(init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())  # [2, 16, 256]
+    """
+    h = L.embedding(params["embed"], tokens)                                   # [B, S, D]
+    cos, sin = L.rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, device=h.device, dtype=h.dtype)
+    for i in range(cfg.n_layers):
+        with torch.profiler.record_function(f"shardfn.layer.{i}"):
+            h = block(tree_map(lambda w: w[i], params["layers"]), h, cos, sin, cfg)
+    h = L.rms_norm(h, params["norm"], cfg.norm_eps)
+    out = params["embed"].t() if cfg.tie_embeddings else params["out"]
+    return L.linear(h, out)                                                    # [B, S, V]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, in float32.
+
+    Example:
+        cross_entropy(torch.zeros(2, 3, 256), torch.zeros(2, 3, dtype=torch.long))  # log(256)
+    """
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
+    """Mean cross-entropy of ``apply(params, batch["inputs"])`` against ``batch["targets"]``.
+
+    Example:
+        loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
+    """
+    return cross_entropy(apply(params, batch["inputs"], cfg), batch["targets"])
