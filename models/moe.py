@@ -1,0 +1,362 @@
+"""DeepSeek-V3 / Kimi-K2 mixture-of-experts transformer as pure functions over stacked parameters.
+
+``first_k_dense`` dense layers (attention + SwiGLU), then ``n_layers - first_k_dense`` MoE layers
+(attention + routed and shared experts, ``shardfn.core.moe``). Attention is multi-head latent
+attention (``attention: mla``) or grouped-query attention (``attention: gqa``).
+
+    cfg = Config.from_dict({"n_experts": 8, "top_k": 2})
+    params = init(cfg, seed=0)
+    logits = apply(params, tokens, cfg)                                    # [B, S] -> [B, S, vocab]
+    loss_value, aux = loss_and_aux(params, {"inputs": x, "targets": y}, cfg)
+    aux["expert_counts"]                                                   # [n_moe_layers, n_experts]
+
+Parameters (``Ld``/``Lm`` dense/MoE layers, ``D`` dim, ``H`` heads, ``E`` experts, ``Fe`` expert
+ffn dim, ``Fs = n_shared_experts * Fe``; ``n``/``r``/``v`` the MLA nope/rope/value head dims):
+
+    embed                          [V, D]                  (vocab, embed)
+    {dense,moe}_layers.attn_norm   [L, D]                  (layers, norm)
+    {dense,moe}_layers.attn.*      MLA: wq_a [L, D, q_lora], q_norm [L, q_lora], wq_b [L, q_lora, H*(n+r)]
+                                        (or wq [L, D, H*(n+r)] when q_lora_rank = 0),
+                                        wkv_a [L, D, kv_lora + r], kv_norm [L, kv_lora],
+                                        wkv_b [L, kv_lora, H*(n+v)], wo [L, H*v, D]
+                                   GQA: wq, wk, wv, wo as in models.llama
+    {dense,moe}_layers.mlp_norm    [L, D]                  (layers, norm)
+    dense_layers.mlp.{w1,w3}       [Ld, D, F]              (layers, embed, mlp);  w2 [Ld, F, D]
+    moe_layers.router              [Lm, D, E]              (layers, embed, None)
+    moe_layers.router_bias         [Lm, E]                 (layers, None)  selection only, no gradient
+    moe_layers.experts.{w1,w3}     [Lm, E, D, Fe]          (layers, expert, embed, expert_mlp)
+    moe_layers.experts.w2          [Lm, E, Fe, D]          (layers, expert, expert_mlp, embed)
+    moe_layers.shared.{w1,w3}      [Lm, D, Fs]             (layers, embed, mlp);  w2 [Lm, Fs, D]
+    norm                           [D]                     (norm,)
+    out                            [D, V]                  (embed, vocab)  absent when tie_embeddings
+
+``dense_layers`` is absent when ``first_k_dense = 0`` and ``moe_layers.shared`` when
+``n_shared_experts = 0``. The wkv_a output dim (latent + shared rope key) has no logical axis.
+RoPE is plain (no YaRN extension). No parallelism here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shardfn.core import layers as L
+from shardfn.core import moe
+from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked, zeros
+from shardfn.core.pytree import PyTree, tree_map
+from shardfn.models import check, config_from_dict
+from shardfn.models.llama import cross_entropy
+
+ATTENTIONS = ("mla", "gqa")
+GROUPED_MM_MULTIPLE = 8
+"""``dim`` and ``expert_ffn_dim`` must be multiples of this: the grouped GEMM needs 16-byte rows
+in bfloat16 (8 elements), which also covers float32 (4)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """MoE transformer hyperparameters. Defaults are a tiny debug model (like ``moe_tiny``).
+
+    Named sizes:
+
+        name              dim   layers  dense  heads  experts  top_k  shared  Fe    groups  score
+        moe_tiny          64    3       1      4      8        2      1       32    1       sigmoid
+        deepseek_v3_671b  7168  61      3      128    256      8      1       2048  8 (4)   sigmoid
+        kimi_k2_1t        7168  61      1      64     384      8      1       2048  1       sigmoid
+    """
+
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 3
+    first_k_dense: int = 1        # the first k layers use a dense SwiGLU of ffn_dim
+    n_heads: int = 4
+    attention: str = "mla"        # "mla" | "gqa"
+    # grouped-query attention (attention: gqa); head_dim = dim / n_heads
+    n_kv_heads: int = 4
+    # multi-head latent attention (attention: mla)
+    q_lora_rank: int = 32         # 0: a direct wq, no query bottleneck
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    # feed-forward
+    ffn_dim: int = 256            # dense layers
+    n_experts: int = 8            # routed experts per MoE layer
+    top_k: int = 2
+    n_shared_experts: int = 1
+    expert_ffn_dim: int = 32      # hidden size of one expert (shared experts: n_shared * this)
+    # routing
+    score_func: str = "sigmoid"   # "softmax" | "sigmoid"
+    n_groups: int = 1             # expert groups for node-limited routing (1: no limit)
+    topk_groups: int = 1          # groups a token may use
+    route_scale: float = 1.0
+    norm_topk_prob: bool = True   # divide the top-k weights by their sum
+    aux_loss_alpha: float = 0.0   # sequence-wise balance loss coefficient (0: off)
+    bias_update_rate: float = 1e-3  # aux-loss-free balancing speed, for the train step
+    # the rest
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.first_k_dense
+
+    @property
+    def head_dim(self) -> int:
+        """The GQA head dim (``dim / n_heads``)."""
+        return self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated head dim: ``qk_rope_head_dim`` for MLA, ``head_dim`` for GQA."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    def __post_init__(self):
+        positive = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "n_experts", "top_k", "expert_ffn_dim",
+                    "n_groups", "topk_groups")
+        for key in positive:
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        check(0 <= self.first_k_dense < self.n_layers, "first_k_dense",
+              f"= {self.first_k_dense} must be in [0, model.n_layers = {self.n_layers}) so at least one layer is MoE")
+        check(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.attention == "gqa":
+            self._check_gqa()
+        else:
+            self._check_mla()
+        self._check_routing()
+        check(self.n_shared_experts >= 0, "n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+        for key in ("dim", "expert_ffn_dim"):
+            check(getattr(self, key) % GROUPED_MM_MULTIPLE == 0, key,
+                  f"= {getattr(self, key)} must be a multiple of {GROUPED_MM_MULTIPLE} (16-byte rows for the "
+                  f"grouped expert GEMM); try {getattr(self, key) + (-getattr(self, key)) % GROUPED_MM_MULTIPLE}")
+        for key in ("rope_theta", "norm_eps", "init_std", "route_scale"):
+            check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+        for key in ("aux_loss_alpha", "bias_update_rate"):
+            check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
+
+    def _check_gqa(self):
+        check(self.n_kv_heads >= 1, "n_kv_heads", f"must be >= 1, got {self.n_kv_heads}")
+        check(self.dim % self.n_heads == 0, "n_heads", f"= {self.n_heads} must divide model.dim = {self.dim}")
+        check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
+              f"= {self.n_kv_heads} must divide model.n_heads = {self.n_heads} (grouped-query attention)")
+        check(self.head_dim % 2 == 0, "n_heads", f"= {self.n_heads} gives an odd head dim {self.head_dim}; RoPE needs it even")
+
+    def _check_mla(self):
+        check(self.q_lora_rank >= 0, "q_lora_rank", f"must be >= 0 (0: direct wq), got {self.q_lora_rank}")
+        for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        check(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", f"must be even for RoPE, got {self.qk_rope_head_dim}")
+
+    def _check_routing(self):
+        check(self.top_k <= self.n_experts, "top_k", f"= {self.top_k} must be <= model.n_experts = {self.n_experts}")
+        check(self.score_func in moe.SCORE_FUNCS, "score_func",
+              f"must be one of {', '.join(moe.SCORE_FUNCS)}, got {self.score_func!r}")
+        check(self.n_experts % self.n_groups == 0, "n_groups",
+              f"= {self.n_groups} must divide model.n_experts = {self.n_experts}")
+        check(self.topk_groups <= self.n_groups, "topk_groups",
+              f"= {self.topk_groups} must be <= model.n_groups = {self.n_groups}")
+        if self.n_groups > 1:
+            per_group = self.n_experts // self.n_groups
+            check(per_group >= 2, "n_groups", f"= {self.n_groups} leaves {per_group} expert per group; a group "
+                  f"scores its top-2 experts, so use at most {self.n_experts // 2} groups")
+            check(self.top_k <= self.topk_groups * per_group, "top_k",
+                  f"= {self.top_k} exceeds the {self.topk_groups * per_group} experts in model.topk_groups = "
+                  f"{self.topk_groups} groups of {per_group}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        """A validated Config from the ``model`` section of a run config (without ``name``).
+
+        Raises:
+            ValueError: naming the key (``model.top_k``) for unknown keys, wrong types or
+                inconsistent sizes.
+
+        Example:
+            Config.from_dict({"n_experts": 16, "top_k": 4, "n_groups": 4, "topk_groups": 2})
+        """
+        return config_from_dict(cls, d)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _attention_table(cfg: Config) -> dict:
+    D, H, std = cfg.dim, cfg.n_heads, cfg.init_std
+    if cfg.attention == "gqa":
+        hd = cfg.head_dim
+        return {
+            "wq": normal((D, H * hd), ("embed", "heads"), std),
+            "wk": normal((D, cfg.n_kv_heads * hd), ("embed", "kv_heads"), std),
+            "wv": normal((D, cfg.n_kv_heads * hd), ("embed", "kv_heads"), std),
+            "wo": normal((H * hd, D), ("heads", "embed"), std),
+        }
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    if cfg.q_lora_rank:
+        q = {"wq_a": normal((D, cfg.q_lora_rank), ("embed", "q_lora"), std),
+             "q_norm": ones((cfg.q_lora_rank,), ("norm",)),
+             "wq_b": normal((cfg.q_lora_rank, H * qk), ("q_lora", "heads"), std)}
+    else:
+        q = {"wq": normal((D, H * qk), ("embed", "heads"), std)}
+    return {
+        **q,
+        "wkv_a": normal((D, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", None), std),
+        "kv_norm": ones((cfg.kv_lora_rank,), ("norm",)),
+        "wkv_b": normal((cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim)), ("kv_lora", "heads"), std),
+        "wo": normal((H * cfg.v_head_dim, D), ("heads", "embed"), std),
+    }
+
+
+def _swiglu_table(dim: int, hidden: int, std: float) -> dict:
+    return {"w1": normal((dim, hidden), ("embed", "mlp"), std),
+            "w3": normal((dim, hidden), ("embed", "mlp"), std),
+            "w2": normal((hidden, dim), ("mlp", "embed"), std)}
+
+
+def _moe_table(cfg: Config) -> dict:
+    D, E, Fe, std = cfg.dim, cfg.n_experts, cfg.expert_ffn_dim, cfg.init_std
+    table = {
+        "router": normal((D, E), ("embed", None), std),
+        "router_bias": zeros((E,), (None,)),
+        "experts": {"w1": normal((E, D, Fe), ("expert", "embed", "expert_mlp"), std),
+                    "w3": normal((E, D, Fe), ("expert", "embed", "expert_mlp"), std),
+                    "w2": normal((E, Fe, D), ("expert", "expert_mlp", "embed"), std)},
+    }
+    if cfg.n_shared_experts:
+        table["shared"] = _swiglu_table(D, cfg.n_shared_experts * Fe, std)
+    return table
+
+
+def param_table(cfg: Config) -> PyTree:
+    """Every parameter's shape, logical axes and initialiser (see the module docstring)."""
+    D, V, std = cfg.dim, cfg.vocab_size, cfg.init_std
+
+    def layer(ffn: dict) -> dict:
+        return {"attn_norm": ones((D,), ("norm",)), "attn": _attention_table(cfg), "mlp_norm": ones((D,), ("norm",)),
+                **ffn}
+
+    table = {"embed": normal((V, D), ("vocab", "embed"), std)}
+    if cfg.first_k_dense:
+        table["dense_layers"] = stacked(cfg.first_k_dense, layer({"mlp": _swiglu_table(D, cfg.ffn_dim, std)}))
+    table["moe_layers"] = stacked(cfg.n_moe_layers, layer(_moe_table(cfg)))
+    table["norm"] = ones((D,), ("norm",))
+    if not cfg.tie_embeddings:
+        table["out"] = normal((D, V), ("embed", "vocab"), std)
+    return table
+
+
+def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> PyTree:
+    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing).
+
+    Example:
+        params = init(Config(), seed=0)
+        params["moe_layers"]["experts"]["w1"].shape  # torch.Size([2, 8, 64, 32])
+    """
+    return init_params(param_table(cfg), seed, device=device, dtype=dtype)
+
+
+def param_axes(cfg: Config) -> PyTree:
+    """Logical axis names of every parameter dim, in the params' tree structure.
+
+    Example:
+        param_axes(Config())["moe_layers"]["experts"]["w1"]  # ("layers", "expert", "embed", "expert_mlp")
+    """
+    return axes_of(param_table(cfg))
+
+
+def param_counts(cfg: Config) -> dict[str, int]:
+    """``{"total", "active"}`` from shapes only.
+
+    ``active`` counts what one token touches: every non-expert parameter (embedding and output
+    head both, attention, norms, routers, dense and shared FFNs) plus ``top_k`` of the
+    ``n_experts`` routed experts in each MoE layer.
+
+    Example:
+        param_counts(deepseek_v3)  # {"total": ~671e9, "active": ~37.5e9}
+    """
+    table = param_table(cfg)
+    total = count_params(table)
+    routed = count_params(table["moe_layers"]["experts"])
+    return {"total": total, "active": total - routed + routed * cfg.top_k // cfg.n_experts}
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _attention(p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+    if cfg.attention == "gqa":
+        return L.gqa_attention(p, x, cos, sin, head_dim=cfg.head_dim)
+    return L.mla_attention(p, x, cos, sin, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                           qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, norm_eps=cfg.norm_eps)
+
+
+def dense_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config) -> torch.Tensor:
+    """One dense layer; ``p`` is a slice of ``params["dense_layers"]``."""
+    h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg)
+    return h + L.swiglu(p["mlp"], L.rms_norm(h, p["mlp_norm"], cfg.norm_eps))   # [B, S, D]
+
+
+def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """One MoE layer; ``p`` is a slice of ``params["moe_layers"]``. Returns ``(h, aux)``."""
+    h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg)
+    y, aux = moe.moe_layer(p, L.rms_norm(h, p["mlp_norm"], cfg.norm_eps), cfg)
+    return h + y, aux                                                            # [B, S, D]
+
+
+def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """Logits ``[B, S, vocab]`` and ``aux``: ``expert_counts`` ``[n_moe_layers, E]`` int64 and
+    ``balance_loss`` (0-d, the sum over layers, already times ``aux_loss_alpha``).
+
+    Example:
+        logits, aux = apply_with_aux(params, tokens, cfg)
+    """
+    h = L.embedding(params["embed"], tokens)                                      # [B, S, D]
+    cos, sin = L.rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, device=h.device, dtype=h.dtype)
+    for i in range(cfg.first_k_dense):
+        with torch.profiler.record_function(f"shardfn.layer.{i}"):
+            h = dense_block(tree_map(lambda w: w[i], params["dense_layers"]), h, cos, sin, cfg)
+    counts, balance = [], []
+    for i in range(cfg.n_moe_layers):
+        with torch.profiler.record_function(f"shardfn.layer.{cfg.first_k_dense + i}"):
+            h, aux = moe_block(tree_map(lambda w: w[i], params["moe_layers"]), h, cos, sin, cfg)
+        counts.append(aux["expert_counts"])
+        balance.append(aux["balance_loss"])
+    h = L.rms_norm(h, params["norm"], cfg.norm_eps)
+    out = params["embed"].t() if cfg.tie_embeddings else params["out"]
+    aux = {"expert_counts": torch.stack(counts), "balance_loss": torch.stack(balance).sum()}
+    return L.linear(h, out), aux                                                  # [B, S, V]
+
+
+def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` for ``tokens [B, S]`` int64.
+
+    Example:
+        logits = apply(init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())  # [2, 16, 256]
+    """
+    return apply_with_aux(params, tokens, cfg)[0]
+
+
+def loss_and_aux(params: PyTree, batch: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
+    """Training loss (mean cross-entropy + balance loss) and ``aux``.
+
+    ``aux``: ``expert_counts`` ``[n_moe_layers, n_experts]`` (tokens routed to each expert; feed
+    it to ``core.moe.update_expert_bias`` for ``moe_layers.router_bias``), ``balance_loss`` and
+    ``ce_loss`` (0-d).
+
+    Example:
+        (value, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
+    """
+    logits, aux = apply_with_aux(params, batch["inputs"], cfg)
+    ce = cross_entropy(logits, batch["targets"])
+    return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
+
+
+def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
+    """The training loss of :func:`loss_and_aux`, alone.
+
+    Example:
+        loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
+    """
+    return loss_and_aux(params, batch, cfg)[0]
