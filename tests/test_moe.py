@@ -77,6 +77,7 @@ def test_grouped_mm_traces_with_fake_tensors_under_torch_func_grad():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow
 def test_grouped_mm_compiles():
     counts = [3, 0, 5]
     x = torch.randn(8, 8, requires_grad=True)
