@@ -65,33 +65,41 @@ def make_optimizer(train_cfg) -> optim.GradientTransformation:
 def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -> StepFn:
     """The pure training step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
-    One call does the loss and its gradient (``model.loss``), the optimizer update and
+    One call does the loss and its gradient, the optimizer update and
     :func:`~shardfn.core.optim.apply_updates`. It reads no tensor on the host, so ``make_fx``,
     ``torch.compile`` and the partitioner can trace it whole.
 
+    Models with ``loss_and_aux`` (the MoE model) are differentiated through it: their 0-d
+    floating-point aux values (``ce_loss``, ``balance_loss``) join the metrics, and the routers'
+    selection bias ``moe_layers.router_bias`` -- masked off the optimizer, it has no gradient --
+    moves by auxiliary-loss-free balancing (``core.moe.update_expert_bias``, at
+    ``model_cfg.bias_update_rate``) from ``aux["expert_counts"]``.
+
     Args:
-        model: a model module (``shardfn.models.llama``): ``loss(params, batch, cfg)``.
+        model: a model module (``shardfn.models.llama``): ``loss(params, batch, cfg)`` or
+            ``loss_and_aux(params, batch, cfg)``.
         model_cfg: that model's ``Config``.
         optimizer: e.g. :func:`make_optimizer`'s.
 
     Returns:
         ``train_step``; its ``metrics`` are 0-d tensors: ``loss``, ``grad_norm`` (before
-        clipping) and ``lr`` (the learning rate this step used).
+        clipping) and ``lr`` (the learning rate this step used), plus the aux scalars.
 
     Example:
         step = make_train_step(llama, cfg.model, make_optimizer(cfg.train))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
-
-    def loss_fn(params, batch):
-        return model.loss(params, batch, model_cfg)
-
-    grad_fn = value_and_grad(loss_fn)
+    has_aux = hasattr(model, "loss_and_aux")
+    loss = model.loss_and_aux if has_aux else model.loss
+    grad_fn = value_and_grad(lambda params, batch: loss(params, batch, model_cfg), has_aux=has_aux)
 
     def train_step(params, opt_state, batch):
-        loss, grads = grad_fn(params, batch)
+        value, grads = grad_fn(params, batch)
+        loss, aux = value if has_aux else (value, {})
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optim.apply_updates(params, updates)
+        if "expert_counts" in aux:
+            params = _balance_router_bias(params, aux["expert_counts"], model_cfg)
         clip = optim.find_state(opt_state, optim.ClipByGlobalNormState)
         lr = optim.find_state(opt_state, optim.ScaleByLearningRateState)
         metrics = {
@@ -99,9 +107,23 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -
             "grad_norm": clip.global_norm if clip is not None else optim.global_norm(grads),
             "lr": lr.lr if lr is not None else torch.zeros(()),
         }
+        for key, x in aux.items():
+            if x.ndim == 0 and x.is_floating_point() and key not in metrics:
+                metrics[key] = x.detach()
         return params, opt_state, metrics
 
     return train_step
+
+
+def _balance_router_bias(params: PyTree, counts: torch.Tensor, model_cfg) -> PyTree:
+    """``params`` with ``moe_layers.router_bias`` [Lm, E] moved toward balanced expert loads."""
+    from shardfn.core.moe import update_expert_bias
+
+    layers = params.get("moe_layers", {}) if isinstance(params, dict) else {}
+    if "router_bias" not in layers:
+        return params
+    bias = update_expert_bias(layers["router_bias"], counts, model_cfg.bias_update_rate)
+    return {**params, "moe_layers": {**layers, "router_bias": bias}}
 
 
 def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTree, opt_state: Any) -> StepFn:
