@@ -1,0 +1,136 @@
+"""The pure training step and the single-device loop."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardfn import models
+from shardfn.core import optim
+from shardfn.core.config import load_config
+from shardfn.core.pytree import tree_leaves
+from shardfn.runtime import data
+from shardfn.runtime.train import (
+    build_step, latest_checkpoint, make_optimizer, make_train_step, save_checkpoint, load_checkpoint,
+    train, trainable_mask,
+)
+
+SMALL = ["train.batch_size=4", "train.seq_len=32", "train.log_every=1000"]
+
+
+def _setup(overrides=()):
+    cfg = load_config(None, [*SMALL, *overrides])
+    model = models.get(cfg.model_name)
+    params = model.init(cfg.model, cfg.train.seed)
+    opt = make_optimizer(cfg.train)
+    batch = data.get_batch(data.load_tokens(None), 0, batch_size=4, seq_len=32)
+    return cfg, model, params, opt, batch
+
+
+def test_step_is_pure_and_matches_manual_update():
+    cfg, model, params, opt, batch = _setup()
+    before = [x.clone() for x in tree_leaves(params)]
+    step = make_train_step(model, cfg.model, opt)
+    state = opt.init(params)
+    new_params, new_state, metrics = step(params, state, batch)
+    assert all(torch.equal(a, b) for a, b in zip(before, tree_leaves(params))), "inputs must not be mutated"
+    assert set(metrics) == {"loss", "grad_norm", "lr"} and all(m.shape == () for m in metrics.values())
+
+    loss = model.loss(params, batch, cfg.model)
+    torch.testing.assert_close(metrics["loss"], loss)
+    grads = torch.func.grad(lambda p: model.loss(p, batch, cfg.model))(params)
+    updates, _ = opt.update(grads, state, params)
+    for a, b in zip(tree_leaves(new_params), tree_leaves(optim.apply_updates(params, updates))):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(metrics["grad_norm"], optim.global_norm(grads))
+    assert float(metrics["lr"]) == pytest.approx(cfg.train.lr / cfg.train.warmup_steps)
+
+
+def test_step_traces_whole_with_make_fx():
+    cfg, model, params, opt, batch = _setup()
+    step = make_train_step(model, cfg.model, opt)
+    state = opt.init(params)
+    graph = make_fx(step)(params, state, batch)
+    assert "_local_scalar_dense" not in str(graph.graph), "no host syncs inside the step"
+    ours, ref = graph(params, state, batch), step(params, state, batch)
+    for a, b in zip(tree_leaves(ours), tree_leaves(ref)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager():
+    cfg, model, params, opt, batch = _setup(["train.compile=true"])
+    state = opt.init(params)
+    eager = make_train_step(model, cfg.model, opt)
+    compiled = build_step(cfg, model, opt, params, state)
+    p1, s1, m1 = eager(params, state, batch)
+    p2, s2, m2 = compiled(params, state, batch)
+    torch.testing.assert_close(m1["loss"], m2["loss"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(tree_leaves((p1, s1)), tree_leaves((p2, s2))):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_short_run_loss_drops(tmp_path):
+    cfg = load_config(None, ["train.steps=30", "train.batch_size=8", "train.seq_len=64", "train.log_every=10"])
+    lines = []
+    result = train(cfg, metrics_path=tmp_path / "m.jsonl", log=lines.append)
+    losses = [r["loss"] for r in result.history]
+    assert len(losses) == 30
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 2.0, losses
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(records[0])
+    assert any(line.startswith("step 10/30") and "tok/s" in line for line in lines)
+    assert lines[-1].startswith("done: 30 steps")
+
+
+def test_resume_is_exact(tmp_path):
+    common = [*SMALL, "train.steps=6", "train.checkpoint.every=3", "train.checkpoint.keep=5"]
+    full = train(load_config(None, [*common, f"train.checkpoint.dir={tmp_path / 'a'}"]), log=lambda _: None)
+    assert [p.name for p in sorted((tmp_path / "a").iterdir())] == ["step_00000003.pt", "step_00000006.pt"]
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "step_00000003.pt", tmp_path / "b")
+    lines = []
+    resumed = train(load_config(None, [*common, f"train.checkpoint.dir={tmp_path / 'b'}"]), log=lines.append)
+    assert "resuming" in lines[0] and [r["step"] for r in resumed.history] == [4, 5, 6]
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in full.history[3:]]
+    for a, b in zip(tree_leaves((full.params, full.opt_state)), tree_leaves((resumed.params, resumed.opt_state))):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_keeps_newest_and_checks_structure(tmp_path):
+    params = {"w": torch.ones(2)}
+    opt = optim.adamw(0.1)
+    state = opt.init(params)
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, params, state, keep=2)
+    assert latest_checkpoint(tmp_path).name == "step_00000003.pt"
+    assert len(list(tmp_path.glob("step_*.pt"))) == 2
+    step, p, s = load_checkpoint(latest_checkpoint(tmp_path), params, state)
+    assert step == 3 and torch.equal(p["w"], params["w"]) and type(s) is type(state)
+    with pytest.raises(ValueError, match="different model"):
+        load_checkpoint(latest_checkpoint(tmp_path), {"v": torch.ones(2)}, state)
+
+
+def test_trainable_mask_freezes_router_bias():
+    params = {"embed": torch.ones(2), "moe_layers": {"router_bias": torch.zeros(2), "w": torch.ones(2)}}
+    assert trainable_mask(params) == {"embed": True, "moe_layers": {"router_bias": False, "w": True}}
+
+
+def test_moe_step_balances_router_bias_outside_the_optimizer():
+    from shardfn.core.moe import update_expert_bias
+
+    cfg = load_config("moe_tiny", SMALL)
+    model = models.get("moe")
+    params = model.init(cfg.model, 0)
+    params["moe_layers"]["router_bias"] = torch.linspace(-0.01, 0.01, params["moe_layers"]["router_bias"].numel()).view_as(
+        params["moe_layers"]["router_bias"])
+    opt = make_optimizer(cfg.train)
+    batch = data.get_batch(data.load_tokens(None), 0, batch_size=4, seq_len=32)
+    new, _, metrics = make_train_step(model, cfg.model, opt)(params, opt.init(params), batch)
+    _, aux = model.loss_and_aux(params, batch, cfg.model)
+    expected = update_expert_bias(params["moe_layers"]["router_bias"], aux["expert_counts"], cfg.model.bias_update_rate)
+    torch.testing.assert_close(new["moe_layers"]["router_bias"], expected)  # no AdamW step, no decay
+    assert {"loss", "grad_norm", "lr", "ce_loss", "balance_loss"} <= set(metrics)
