@@ -1,0 +1,535 @@
+"""Run a pipeline schedule on this rank: F / I / W programs, P2P batches, gradients, the step.
+
+:func:`run_schedule` executes one rank's action list from ``shardfn.runtime.schedules`` with the
+stage programs of ``shardfn.partition.pipeline``: ``F`` runs a stage's forward and keeps the
+values its backward needs per ``(stage, microbatch)``; ``I`` turns the output gradient into the
+input gradient; ``W`` adds the parameter gradients into an accumulator; ``B`` is ``I`` then
+``W``. Each run of adjacent communication actions is one ``batch_isend_irecv`` over the ``pp``
+process group, waited on before the next step (the blocking-batch semantics the schedule
+validator checks). Buffers have static shapes, known from the fake trace.
+
+:func:`make_pipeline_step` wraps it into a training step with the same contract as a one-device
+step, ``(params_local, opt_state_local, global_batch) -> (params_local, opt_state_local,
+metrics)``: gradients are averaged over ``dp``, the gradient norm is summed over all stages so
+clipping matches one device, then the optimizer updates this rank's parameters only.
+
+    step = make_pipeline_step(pipe, schedule, mesh, optimizer, grad_clip=1.0)
+    params_local = step.scatter(params); opt_state = optimizer.init(params_local)
+    params_local, opt_state, metrics = step(params_local, opt_state, batch)
+    params = step.gather(params_local)                     # the full tree, on every rank
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardfn.core import optim
+from shardfn.core.pytree import PyTree, flatten_with_paths, tree_flatten, tree_map, tree_unflatten
+from shardfn.partition.pipeline import Pipeline, merge_params, stage_params
+from shardfn.runtime.schedules import Action, Schedule, add_communication, group_steps
+
+# ----------------------------------------------------------------------------- one schedule run
+
+
+@dataclass
+class RunResult:
+    """What :func:`run_schedule` returns for this rank.
+
+    Attributes:
+        loss: mean of the last stage's microbatch losses (None when this rank lacks that stage).
+        grads: ``stage -> {path: gradient}`` for this rank's stages, summed over microbatches
+            with each loss scaled by ``1 / n_microbatches`` (the gradient of the mean loss).
+        events: one dict per step (``name``, ``kind``, ``stage``, ``mb``, ``start_ns``,
+            ``end_ns``) when recording.
+        peak_saved_bytes: the most bytes of values held for backward at once (activations,
+            saved tensors and pending messages; parameters excluded).
+    """
+
+    loss: torch.Tensor | None
+    grads: dict[int, dict[str, torch.Tensor]]
+    events: list[dict] = field(default_factory=list)
+    peak_saved_bytes: int = 0
+
+
+class _RankState:
+    """Values in flight on one rank during a schedule run, keyed by ``(stage, microbatch)``."""
+
+    def __init__(self):
+        self.envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.acts: dict[tuple[int, int], torch.Tensor] = {}   # stage output, for SEND_F or the next local stage
+        self.cots: dict[tuple[int, int], torch.Tensor] = {}   # stage input gradient, for SEND_B or local
+        self.recv_x: dict[tuple[int, int], torch.Tensor] = {}
+        self.recv_dy: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending_sends: list = []
+
+    def held_bytes(self, param_ptrs: set[int]) -> int:
+        seen, total = set(), 0
+        pools = [self.acts, self.cots, self.recv_x, self.recv_dy] + list(self.envs.values())
+        for pool in pools:
+            for v in pool.values():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                st = v.untyped_storage()
+                ptr = st.data_ptr()
+                if ptr in seen or ptr in param_ptrs:
+                    continue
+                seen.add(ptr)
+                total += st.nbytes()
+        return total
+
+
+def _check_fit(pipe: Pipeline, schedule: Schedule) -> None:
+    if pipe.n_stages != schedule.n_stages:
+        raise ValueError(
+            f"the schedule {schedule.name!r} runs {schedule.n_stages} stages ({schedule.n_ranks} ranks) but the "
+            f"pipeline was split into {pipe.n_stages}; build it with n_stages={schedule.n_stages} "
+            f"(pipeline.stages = mesh.pp x stages per rank)"
+        )
+
+
+def _tag(sender_stage: int, backward: bool, mb: int, n_mb: int) -> int:
+    return (2 * sender_stage + int(backward)) * n_mb + mb
+
+
+def _keep(env: dict, names: set[str]) -> None:
+    for k in [k for k in env if k not in names]:
+        del env[k]
+
+
+def run_schedule(
+    pipe: Pipeline,
+    schedule: Schedule,
+    pp_rank: int,
+    params: dict[int, dict[str, torch.Tensor]],
+    microbatches: list[dict[str, torch.Tensor]],
+    *,
+    group: dist.ProcessGroup | None = None,
+    record: bool = False,
+) -> RunResult:
+    """Run ``schedule.actions[pp_rank]`` with ``pipe``'s stage programs.
+
+    Args:
+        pipe: from :func:`~shardfn.partition.pipeline.build_pipeline`, with ``schedule.n_stages`` stages.
+        schedule: a schedule with communication (one without gets it via ``add_communication``).
+        pp_rank: this rank's index in the ``pp`` group (the schedule's rank).
+        params: ``stage -> {path: held tensor}`` for this rank's stages (:func:`stage_params`).
+        microbatches: ``schedule.n_microbatches`` dicts ``path -> tensor`` of batch leaves.
+        group: the ``pp`` process group (None: the default group, whose ranks are the schedule's).
+        record: time every step (for :func:`write_chrome_trace`) and track held bytes.
+
+    Example:
+        out = run_schedule(pipe, get_schedule("1f1b", 2, 4), rank, held, mbs, group=pp_group)
+        out.loss, out.grads[rank]["layers.w1"].shape
+    """
+    _check_fit(pipe, schedule)
+    if schedule.n_ranks > 1 and not schedule.has_communication:
+        schedule = add_communication(schedule)
+    m = schedule.n_microbatches
+    if len(microbatches) != m:
+        raise ValueError(f"the schedule runs {m} microbatches but {len(microbatches)} were given")
+    mine = schedule.stages_of(pp_rank)
+    missing = [s for s in mine if s not in params]
+    if missing:
+        raise ValueError(f"rank {pp_rank} runs stages {list(mine)} but holds parameters for {sorted(params)}")
+    stages = pipe.stages
+    unsplit = [s for s in mine if stages[s].F is None]
+    if unsplit:
+        raise ValueError(f"stages {unsplit} have no F/I/W programs; build the pipeline with split=None or "
+                         f"split=schedule.stages_of({pp_rank})")
+    state = _RankState()
+    grads: dict[int, dict[str, torch.Tensor]] = {s: {} for s in mine}
+    losses: list[torch.Tensor] = []
+    events: list[dict] = []
+    param_ptrs = {t.untyped_storage().data_ptr() for p in params.values() for t in p.values()}
+    peak = 0
+    device = next((t.device for p in params.values() for t in p.values()), torch.device("cpu"))
+    seed_dy = torch.full((), 1.0 / m, dtype=stages[-1].out_spec.dtype, device=device)
+    s2r = schedule.stage_to_rank
+    rank_id = dist.get_rank() if dist.is_initialized() else pp_rank
+
+    def forward(a: Action) -> None:
+        st = stages[a.stage]
+        key = (a.stage, a.microbatch)
+        x = None
+        if st.in_spec is not None:
+            x = state.recv_x.pop(key) if s2r[a.stage - 1] != pp_rank else state.acts.pop((a.stage - 1, a.microbatch))
+        env = st.inputs_env(params[a.stage], x, microbatches[a.microbatch])
+        st.F.run(env)
+        y = env[st.y_name]
+        if st.is_last:
+            losses.append(y.detach())
+        else:
+            state.acts[key] = y
+        _keep(env, set(st.I.inputs) | set(st.W.inputs))
+        state.envs[key] = env
+
+    def backward_input(a: Action) -> None:
+        st = stages[a.stage]
+        key = (a.stage, a.microbatch)
+        env = state.envs[key]
+        if st.is_last:
+            dy = seed_dy
+        elif s2r[a.stage + 1] != pp_rank:
+            dy = state.recv_dy.pop(key)
+        else:
+            dy = state.cots.pop((a.stage + 1, a.microbatch))
+        env["dy"] = dy
+        st.I.run(env)
+        if st.dx_name is not None:
+            state.cots[key] = env[st.dx_name]
+        _keep(env, set(st.W.inputs))
+
+    def backward_weight(a: Action) -> None:
+        st = stages[a.stage]
+        env = state.envs.pop((a.stage, a.microbatch))
+        st.W.run(env)
+        acc = grads[a.stage]
+        for path, name in zip(st.param_paths, st.grad_names):
+            g = env[name]
+            if path in acc:
+                acc[path].add_(g)
+            else:
+                acc[path] = g.clone()  # W's result may be a view of a live tensor (the loss seed, say)
+
+    def communicate(batch: tuple[Action, ...]) -> None:
+        ops, recvs = [], []
+        for a in batch:
+            key = (a.stage, a.microbatch)
+            if a.kind == "SEND_F":
+                t, tag = state.acts.pop(key).contiguous(), _tag(a.stage, False, a.microbatch, m)
+                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=a.peer, tag=tag))
+            elif a.kind == "SEND_B":
+                t, tag = state.cots.pop(key).contiguous(), _tag(a.stage, True, a.microbatch, m)
+                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=a.peer, tag=tag))
+            elif a.kind == "RECV_F":
+                t = stages[a.stage].in_spec.empty(device)
+                ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=a.peer,
+                                      tag=_tag(a.stage - 1, False, a.microbatch, m)))
+                recvs.append((state.recv_x, key, t))
+            else:  # RECV_B
+                t = stages[a.stage].out_spec.empty(device)
+                ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=a.peer,
+                                      tag=_tag(a.stage + 1, True, a.microbatch, m)))
+                recvs.append((state.recv_dy, key, t))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        for pool, key, t in recvs:
+            pool[key] = t
+
+    run = {"F": forward, "I": backward_input, "W": backward_weight,
+           "B": lambda a: (backward_input(a), backward_weight(a))}
+    with torch.no_grad():
+        for step in group_steps(schedule.actions[pp_rank]):
+            t0 = time.perf_counter_ns() if record else 0
+            if step[0].is_comm:
+                communicate(step)
+            else:
+                a = step[0]
+                if a.stage not in mine:
+                    raise ValueError(f"rank {pp_rank} was given {a}, but stage {a.stage} lives on rank {s2r[a.stage]}")
+                run[a.kind](a)
+            if record:
+                t1 = time.perf_counter_ns()
+                a = step[0]
+                kind = "P2P" if a.is_comm else a.kind
+                name = "+".join(b.cell for b in step)
+                events.append({"name": name, "kind": kind, "stage": a.stage, "mb": a.microbatch,
+                               "start_ns": t0, "end_ns": t1, "rank": rank_id})
+                peak = max(peak, state.held_bytes(param_ptrs))
+    leftover = [k for k in state.envs]
+    if leftover:
+        raise RuntimeError(f"rank {pp_rank}: the schedule left (stage, microbatch) {leftover} without a W or B")
+    loss = torch.stack(losses).sum() / m if losses else None
+    return RunResult(loss, grads, events, peak)
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def split_microbatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
+    """``batch`` (flat or nested dict of ``[B, ...]`` tensors) as ``n`` dicts ``path -> [B/n, ...]``.
+
+        split_microbatches({"inputs": x, "targets": y}, 4)[0]["inputs"].shape  # [B // 4, S]
+    """
+    flat = dict(flatten_with_paths(batch))
+    sizes = {p: t.shape[0] for p, t in flat.items()}
+    for path, b in sizes.items():
+        if b % n:
+            raise ValueError(f"batch leaf {path!r} has {b} rows, not divisible by pipeline.microbatches={n}; "
+                             f"make train.batch_size a multiple of microbatches x mesh.dp")
+    chunks = {p: t.chunk(n, 0) for p, t in flat.items()}
+    return [{p: c[i] for p, c in chunks.items()} for i in range(n)]
+
+
+def dp_shard(batch: dict, dp_rank: int, dp: int) -> dict:
+    """This data-parallel rank's contiguous rows of every leaf of ``batch``.
+
+        dp_shard({"inputs": x}, 1, 2)["inputs"]  # x[B // 2:]
+    """
+    if dp == 1:
+        return batch
+
+    def rows(t):
+        if t.shape[0] % dp:
+            raise ValueError(f"a batch leaf has {t.shape[0]} rows, not divisible by mesh.dp={dp}; "
+                             f"make train.batch_size a multiple of mesh.dp x pipeline.microbatches")
+        n = t.shape[0] // dp
+        return t[dp_rank * n:(dp_rank + 1) * n]
+
+    return tree_map(rows, batch)
+
+
+# ----------------------------------------------------------------------------- the train step
+
+
+def _nest(flat: dict[str, torch.Tensor]) -> dict:
+    out: dict = {}
+    for path, x in flat.items():
+        node = out
+        *head, last = path.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = x
+    return out
+
+
+def stage_key(stage: int) -> str:
+    """The key of a stage's subtree in a local parameter tree: ``"stage3"``."""
+    return f"stage{stage}"
+
+
+@dataclass
+class PipelineStep:
+    """The training step of one pipeline rank; call it like a one-device step.
+
+    ``params_local`` is ``{"stage<s>": subtree}`` for this rank's stages, each subtree shaped
+    like the model's tree restricted to the leaves that stage holds (stacked leaves narrowed to
+    its layers). Build it with :meth:`scatter`; rebuild the full tree with :meth:`gather`.
+
+    Example:
+        step = make_pipeline_step(pipe, schedule, mesh, optimizer, grad_clip=1.0)
+        params_local = step.scatter(params); opt_state = optimizer.init(params_local)
+        params_local, opt_state, metrics = step(params_local, opt_state, batch)
+    """
+
+    pipe: Pipeline
+    schedule: Schedule
+    optimizer: optim.GradientTransformation
+    grad_clip: float | None
+    pp_rank: int
+    dp_rank: int
+    dp: int
+    pp_group: Any = None
+    dp_group: Any = None
+    record: bool = False
+    last_run: RunResult | None = None   # the latest step's schedule run (events, held bytes)
+    last_grads: dict | None = None      # the latest step's gradients (dp-averaged, before clipping)
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return self.schedule.stages_of(self.pp_rank)
+
+    def scatter(self, params: PyTree) -> dict:
+        """This rank's local tree from the full parameter tree (copies: the full tree can be freed)."""
+        return {stage_key(s): _nest({p: t.detach().clone() for p, t in stage_params(params, self.pipe, s).items()})
+                for s in self.stages}
+
+    def held(self, params_local: dict) -> dict[int, dict[str, torch.Tensor]]:
+        """``stage -> {path: tensor}`` from a local tree."""
+        out = {}
+        for s in self.stages:
+            flat = dict(flatten_with_paths(params_local[stage_key(s)]))
+            out[s] = {p: flat[p] for p in self.pipe.stages[s].param_paths}
+        return out
+
+    def gather(self, params_local: dict) -> PyTree:
+        """The full parameter tree on every ``pp`` rank: each stage's owner broadcasts its slices."""
+        mine = self.held(params_local)
+        held = {}
+        for s, stage in enumerate(self.pipe.stages):
+            owner = self.schedule.stage_to_rank[s]
+            tensors = {}
+            for p in stage.param_paths:
+                t = mine[s][p].contiguous() if owner == self.pp_rank else stage.param_specs[p].empty(_device(mine))
+                if self.schedule.n_ranks > 1:
+                    dist.broadcast(t, group=self.pp_group, group_src=owner)
+                tensors[p] = t
+            held[s] = tensors
+        return merge_params(held, self.pipe)
+
+    def __call__(self, params_local: dict, opt_state: Any, global_batch: dict) -> tuple[dict, Any, dict]:
+        batch = dp_shard(global_batch, self.dp_rank, self.dp)
+        mbs = split_microbatches(batch, self.schedule.n_microbatches)
+        out = run_schedule(self.pipe, self.schedule, self.pp_rank, self.held(params_local), mbs,
+                           group=self.pp_group, record=self.record)
+        self.last_run = out
+        grads = {stage_key(s): _nest(out.grads[s]) for s in self.stages}
+        if self.dp > 1:
+            grads = _all_reduce_mean(grads, self.dp, self.dp_group)
+        self.last_grads = grads
+        norm = global_grad_norm(grads, self.pp_group if self.schedule.n_ranks > 1 else None)
+        if self.grad_clip is not None:
+            scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
+            grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params_local)
+        params_local = optim.apply_updates(params_local, updates)
+        loss = out.loss if out.loss is not None else torch.zeros((), device=norm.device)
+        loss = _sum_over(loss.detach().clone(), self.pp_group if self.schedule.n_ranks > 1 else None)
+        if self.dp > 1:
+            loss = _sum_over(loss, self.dp_group) / self.dp
+        lr = optim.find_state(opt_state, optim.ScaleByLearningRateState)
+        metrics = {"loss": loss, "grad_norm": norm, "lr": lr.lr if lr is not None else torch.zeros(())}
+        return params_local, opt_state, metrics
+
+
+def _device(held: dict) -> torch.device:
+    return next((t.device for p in held.values() for t in p.values()), torch.device("cpu"))
+
+
+def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` summed over ``group`` in place (unchanged when ``group`` is None)."""
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_reduce_mean(tree: PyTree, n: int, group) -> PyTree:
+    """Leaf-wise mean over ``group``: one flat buffer per dtype, one all-reduce each."""
+    leaves, treedef = tree_flatten(tree)
+    out = list(leaves)
+    for dtype in sorted({t.dtype for t in leaves}, key=str):
+        idx = [i for i, t in enumerate(leaves) if t.dtype == dtype]
+        flat = torch.cat([leaves[i].reshape(-1) for i in idx])
+        dist.all_reduce(flat, group=group)
+        flat /= n
+        k = 0
+        for i in idx:
+            out[i] = flat[k:k + leaves[i].numel()].view_as(leaves[i])
+            k += leaves[i].numel()
+    return tree_unflatten(treedef, out)
+
+
+def global_grad_norm(grads: PyTree, pp_group) -> torch.Tensor:
+    """The L2 norm of the gradients of every stage: local sums of squares added over ``pp``.
+
+    Gradients are already averaged over ``dp`` (the replicas agree), so the sum over the
+    ``pp`` group is the sum over the whole model, as one device computes it.
+
+        norm = global_grad_norm(grads_local, pp_group)
+    """
+    leaves = [t for _, t in flatten_with_paths(grads)]
+    sq = torch.stack([torch.sum(torch.square(t.to(torch.float32))) for t in leaves]).sum() if leaves else torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(sq, group=pp_group)
+    return torch.sqrt(sq)
+
+
+def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer: optim.GradientTransformation | None = None,
+                       *, grad_clip: float | None = None, compile: bool = False, record: bool = False) -> PipelineStep:
+    """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
+
+    Args:
+        pipe: the split loss (``schedule.n_stages`` stages).
+        schedule: e.g. ``get_schedule("1f1b", n_ranks=mesh.axes["pp"], n_microbatches=8)``.
+        mesh: a ``shardfn.Mesh`` with a ``pp`` axis (and optionally ``dp``; other axes of size 1),
+            or None for the default process group as the ``pp`` group.
+        optimizer: a transform without clipping (e.g. :func:`pipeline_optimizer`); clipping
+            needs the norm over all stages, so it is ``grad_clip`` here.
+        grad_clip: max global gradient norm (as ``optim.clip_by_global_norm``), or None.
+        compile: ``torch.compile`` every F / I / W program.
+        record: time every action (``step.last_run.events``) and track held bytes.
+
+    Example:
+        step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2}), adamw(1e-3))
+    """
+    if optimizer is None:
+        raise ValueError("make_pipeline_step needs an optimizer, e.g. pipeline_optimizer(cfg.train)")
+    probe = optimizer.init({"w": torch.zeros(1)})
+    if optim.find_state(probe, optim.ClipByGlobalNormState) is not None:
+        raise ValueError("the optimizer clips by its own (local) gradient norm; pass it without "
+                         "clip_by_global_norm and set grad_clip=..., which clips by the norm over all stages")
+    _check_fit(pipe, schedule)
+    pp_rank, dp_rank, dp, pp_group, dp_group = 0, 0, 1, None, None
+    if mesh is not None:
+        extra = {k: v for k, v in mesh.axes.items() if k not in ("pp", "dp") and v > 1}
+        if extra:
+            raise NotImplementedError(f"pipeline parallelism composes with dp only so far; mesh has {extra}")
+        coord = mesh.coordinate()
+        pp = mesh.axes.get("pp", 1)
+        if pp != schedule.n_ranks:
+            raise ValueError(f"the schedule has {schedule.n_ranks} ranks but mesh.pp is {pp}; build the schedule "
+                             f"with n_ranks=mesh.pp")
+        pp_rank = coord.get("pp", 0)
+        pp_group = mesh.device_mesh.get_group("pp") if "pp" in mesh.axes else None
+        dp = mesh.axes.get("dp", 1)
+        dp_rank = coord.get("dp", 0)
+        dp_group = mesh.device_mesh.get_group("dp") if dp > 1 else None
+    elif schedule.n_ranks > 1:
+        pp_rank = dist.get_rank()
+    if schedule.n_ranks > 1 and not schedule.has_communication:
+        schedule = add_communication(schedule)
+    if compile:
+        for s in schedule.stages_of(pp_rank):
+            for part in (pipe.stages[s].F, pipe.stages[s].I, pipe.stages[s].W):
+                part.compile()
+    return PipelineStep(pipe, schedule, optimizer, grad_clip, pp_rank, dp_rank, dp, pp_group, dp_group, record)
+
+
+def pipeline_optimizer(train_cfg) -> optim.GradientTransformation:
+    """The run's AdamW on its warmup-cosine schedule, without clipping (the step clips globally).
+
+        opt = pipeline_optimizer(cfg.train); step = make_pipeline_step(..., opt, grad_clip=cfg.train.grad_clip)
+    """
+    from shardfn.runtime.train import trainable_mask
+
+    t = train_cfg
+    schedule = optim.warmup_cosine(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+    return optim.adamw(schedule, t.b1, t.b2, t.eps, t.weight_decay, mask=trainable_mask)
+
+
+# ----------------------------------------------------------------------------- traces
+
+
+def write_chrome_trace(events: list[dict], path: str | os.PathLike) -> Path:
+    """Write ``events`` (from every rank) as a Chrome trace: one ``pid`` per rank, times in µs.
+
+    Open it in ``chrome://tracing`` or Perfetto.
+
+        write_chrome_trace(all_ranks_events, "runs/trace/pipeline.json")
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = min((e["start_ns"] for e in events), default=0)
+    trace = []
+    for rank in sorted({e["rank"] for e in events}):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pp rank {rank}"}})
+    for e in events:
+        trace.append({
+            "name": e["name"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": 0,
+            "ts": (e["start_ns"] - t0) / 1e3, "dur": (e["end_ns"] - e["start_ns"]) / 1e3,
+            "args": {"stage": e["stage"], "microbatch": e["mb"]},
+        })
+    path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
+    return path
+
+
+def bubble_fraction(events: list[dict]) -> float:
+    """Idle share of the ranks' time between the first start and the last end: ``1 - busy / (ranks * span)``,
+    where busy is compute (F, B, I, W) time; P2P waits count as idle.
+
+        bubble_fraction(all_ranks_events)  # e.g. 0.27 for 1f1b on 4 ranks with 8 microbatches
+    """
+    if not events:
+        return 0.0
+    span = max(e["end_ns"] for e in events) - min(e["start_ns"] for e in events)
+    ranks = {e["rank"] for e in events}
+    busy = sum(e["end_ns"] - e["start_ns"] for e in events if e["kind"] != "P2P")
+    return 1.0 - busy / (len(ranks) * span) if span else 0.0
