@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -15,21 +16,34 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 
-def desired_input_specs(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list | None:
-    """The DTensorSpec DTensor wants for each DTensor leaf of ``(args, kwargs)`` (flattened in
-    pytree order), or None when the op runs on its inputs as they are."""
+def planned_sharding(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[list | None, list]:
+    """What DTensor would do for this call: the DTensorSpec it wants for each DTensor leaf of
+    ``(args, kwargs)`` (flattened in pytree order; None when it runs on the inputs as they are),
+    and the placements of each output."""
     dispatcher = DTensor._op_dispatcher
     info = dispatcher.unwrap_to_op_info(op, args, kwargs)
     sharding = dispatcher.sharding_propagator.propagate_op_sharding_non_cached(info.schema)
+    outs = sharding.output_spec if isinstance(sharding.output_spec, (tuple, list)) else [sharding.output_spec]
+    out_placements = [tuple(o.placements) for o in outs if _is_spec(o)]
     if not sharding.needs_redistribute or sharding.redistribute_schema is None:
-        return None
+        return None, out_placements
     schema = sharding.redistribute_schema
     wanted = [
         leaf
         for leaf in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
         if _is_spec(leaf)
     ]
-    return wanted
+    return wanted, out_placements
+
+
+@contextlib.contextmanager
+def vocab_parallel_loss():
+    """DTensor's loss-parallel handlers (log-softmax / NLL over a class dim sharded on one mesh
+    dim: all-reduces of max and sum instead of gathering the logits)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        yield
 
 
 def _is_spec(x: Any) -> bool:

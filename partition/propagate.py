@@ -42,6 +42,27 @@ _SLICING_OPS = {aten.select.int, aten.slice.Tensor}
 
 _CONSTANT_COPIES = {aten.lift_fresh_copy.default, aten.lift_fresh.default}
 
+# Ops whose output can be far larger than a partial-sum input (weight gradients from a partial
+# output gradient): a partial input is reduced before them when that moves fewer bytes.
+_CONTRACTIONS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+                 aten.embedding_dense_backward.default}
+
+# Cross-entropy pieces DTensor can run vocab-parallel when the class dim is sharded.
+_LOSS_OPS = {
+    aten._log_softmax.default, aten._log_softmax_backward_data.default,
+    aten.nll_loss_forward.default, aten.nll_loss_backward.default,
+}
+
+
+def _class_dim_sharded(target, args) -> bool:
+    """True when the logits (or log-probs) of a loss op are sharded on their class dim (1)."""
+    x = args[1] if target is aten.nll_loss_backward.default else args[0]
+    if target is aten._log_softmax_backward_data.default:
+        x = args[1]
+    if not isinstance(x, DTensor) or x.ndim < 2:
+        return False
+    return sum(1 for p in x.placements if isinstance(p, Shard) and p.dim == 1) == 1
+
 
 class ShardingError(ValueError):
     """A node of the traced graph cannot be sharded as asked; the message names the node."""
@@ -114,6 +135,11 @@ class ShardingInterpreter(torch.fx.Interpreter):
         args, kwargs = self._gather_stored(n, target, args, kwargs)
         args, kwargs = self._reduce_partials(n, target, args, kwargs)
         try:
+            if target in _LOSS_OPS and _class_dim_sharded(target, args):
+                if target is aten.nll_loss_backward.default and isinstance(args[6], DTensor):
+                    args = (*args[:6], args[6].to_local(), *args[7:])  # total_weight: a plain scalar there
+                with private.vocab_parallel_loss():
+                    return target(*args, **kwargs)
             return target(*args, **kwargs)
         except NotImplementedError as e:
             raise ShardingError(
@@ -210,14 +236,27 @@ class ShardingInterpreter(torch.fx.Interpreter):
         tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, DTensor)]
         if not any(_has_partial(flat[i]) for i in tensor_idx):
             return args, kwargs
-        wanted = private.desired_input_specs(target, args, kwargs)
-        if wanted is None or len(wanted) != len(tensor_idx):
+        if target in _LOSS_OPS and _class_dim_sharded(target, args):
             return args, kwargs
+        wanted, outs = private.planned_sharding(target, args, kwargs)
+        if wanted is None:
+            wanted = [flat[i]._spec for i in tensor_idx]
+        if len(wanted) != len(tensor_idx):
+            return args, kwargs
+        partial_dims = {d for i in tensor_idx for d, p in enumerate(flat[i].placements) if isinstance(p, Partial)}
         dims: set[int] = set()
         for i, w in zip(tensor_idx, wanted):
             for d, (now, want) in enumerate(zip(flat[i].placements, w.placements)):
                 if isinstance(now, Partial) and not isinstance(want, Partial):
-                    dims.add(d)
+                    dims.add(d)  # the op needs the sum
+                elif d in partial_dims and not isinstance(want, Partial) and now != want:
+                    dims.add(d)  # it would move another operand (gather a weight) to keep a partial
+        out_val = n.meta.get("val")
+        if isinstance(out_val, torch.Tensor) and outs and target in _CONTRACTIONS:
+            partial_in = max((flat[i].numel() for i in tensor_idx if _has_partial(flat[i])), default=0)
+            for d in partial_dims:
+                if any(isinstance(o[d], Partial) for o in outs) and out_val.numel() > partial_in:
+                    dims.add(d)  # reduce a partial sum where it is smallest, not after a contraction grows it
         if not dims:
             return args, kwargs
         for i in tensor_idx:
