@@ -71,13 +71,38 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--metrics", metavar="FILE", default=None,
                         help="write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s)")
+    parser.add_argument("--nproc", type=int, default=None, metavar="N",
+                        help="spawn N local gloo ranks (default: runtime.nproc, else 1); under torchrun "
+                             "the launcher's ranks are used")
+
+
+def _train_rank(cfg_dict: dict, metrics: str | None) -> None:
+    from shardfn.core.config import config_from_dict
+    from shardfn.runtime.train import train
+
+    train(config_from_dict(cfg_dict), metrics_path=metrics, log=lambda line: print(line, flush=True))
 
 
 def _train(args: argparse.Namespace) -> int:
+    import os
+
     from shardfn.runtime.train import train
 
     cfg = config_from_args(args)
-    train(cfg, metrics_path=args.metrics, log=lambda line: print(line, flush=True))
+    world = cfg.mesh.world_size
+    nproc = args.nproc or cfg.runtime.nproc or world
+    if nproc != world:
+        raise UsageError(f"--nproc {nproc} but the mesh has {world} devices; make them equal")
+    if "RANK" in os.environ or nproc == 1:  # under torchrun, or one device
+        train(cfg, metrics_path=args.metrics, log=lambda line: print(line, flush=True))
+        return 0
+    from shardfn.runtime.launch import RankFailed, spawn
+
+    try:
+        spawn(_train_rank, nproc, args=(cfg.to_dict(), args.metrics), timeout_s=cfg.runtime.timeout_s)
+    except RankFailed as e:
+        print(f"shardfn train: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -113,7 +138,7 @@ def _human(n: int) -> str:
 # ----------------------------------------------------------------------------- dispatch
 
 SUBCOMMANDS: dict[str, Subcommand] = {
-    "train": Subcommand("train a model on one device (default: llama_tiny on the embedded corpus)", _train_arguments, _train),
+    "train": Subcommand("train a model (default: llama_tiny on the embedded corpus, one CPU device)", _train_arguments, _train),
     "params": Subcommand("count a model's parameters from shapes only (no allocation)", _params_arguments, _params),
 }
 

@@ -304,8 +304,7 @@ def node_flops(node: fx.Node) -> float:
         from torch.utils.flop_counter import flop_registry
 
         if packet in flop_registry:
-            args, kwargs = optree.tree_map(_val, (node.args, node.kwargs), is_leaf=lambda x: isinstance(x, fx.Node),
-                                           none_is_leaf=True)
+            args, kwargs = fx.node.map_arg((node.args, dict(node.kwargs)), _val)
             try:
                 return float(flop_registry[packet](*args, out_val=val, **kwargs))
             except Exception:  # a formula this version cannot evaluate on these args: fall through
@@ -656,6 +655,9 @@ def _build_stage(plan: _Plan, ranges, traced: TracedLoss, *, is_last: bool) -> S
                 u.args = (ph, 0, u.args[2] % full.shape[0] - l0)
         else:
             specs[path] = full
+    for node in [n for n in gm.graph.nodes if n.target is _SPLIT]:  # the cut is made: markers are identities
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
     gm.recompile()
     stage = Stage(
         index=plan.index, forward=gm, param_paths=param_paths, layer_ranges=layer_ranges, param_specs=specs,

@@ -59,8 +59,8 @@ def _class_dim_sharded(target, args) -> bool:
     x = args[1] if target is aten.nll_loss_backward.default else args[0]
     if target is aten._log_softmax_backward_data.default:
         x = args[1]
-    if not isinstance(x, DTensor) or x.ndim < 2:
-        return False
+    if not isinstance(x, DTensor) or x.ndim < 2 or x.device_mesh.ndim != 1:
+        return False  # torch's mean-reduced parallel loss supports one mesh dim; else logits are gathered
     return sum(1 for p in x.placements if isinstance(p, Shard) and p.dim == 1) == 1
 
 

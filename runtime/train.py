@@ -139,7 +139,10 @@ def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTr
         step = build_step(cfg, llama, opt, params, opt.init(params))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
-    del params, opt_state  # one device: no layout to derive
+    if cfg.mesh.world_size > 1:
+        from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
+
+        return partitioned_step(cfg, model, optimizer, params, opt_state, mesh_from_config(cfg))
     step = make_train_step(model, cfg.model, optimizer)
     if cfg.train.compile:
         step = torch.compile(step)
@@ -223,6 +226,12 @@ class TrainResult(NamedTuple):
     seconds: float  # wall time of the loop (compilation included)
 
 
+def is_main_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str], Any] = print) -> TrainResult:
     """Train ``cfg.model`` for ``cfg.train.steps`` steps on one device.
 
@@ -244,6 +253,8 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
     from shardfn import models
 
     t = cfg.train
+    if not is_main_rank():
+        log, metrics_path = (lambda line: None), None  # one voice: rank 0 logs and writes metrics
     device = torch.device(cfg.runtime.device)
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, t.seed, device=device)
@@ -251,6 +262,11 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
     opt_state = optimizer.init(params)
     start = 0
     ckpt = t.checkpoint
+    if ckpt.every and cfg.mesh.world_size > 1:
+        raise ValueError(
+            f"train.checkpoint.every={ckpt.every} on a mesh of {cfg.mesh.world_size} devices: these "
+            f"checkpoints hold one device's tensors; set train.checkpoint.every=0 for a sharded run"
+        )
     if ckpt.every:
         found = latest_checkpoint(ckpt.dir)
         if found is not None:

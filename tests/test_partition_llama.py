@@ -87,8 +87,10 @@ def test_layout_matches_one_device(name, reference):
         got_g, got_p = dict(flatten_with_paths(rank_out["grads"])), dict(flatten_with_paths(rank_out["params"]))
         for path, g in flatten_with_paths(ref_grads):
             torch.testing.assert_close(got_g[path], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {path}: {m}")
+        # Adam divides by sqrt(v): where a gradient is near zero, its last-bit differences (the
+        # sums run in another order) move that element's update by up to ~1e-6 absolute.
         for path, p in flatten_with_paths(ref_params):
-            torch.testing.assert_close(got_p[path], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"param {path}: {m}")
+            torch.testing.assert_close(got_p[path], p, rtol=1e-5, atol=5e-6, msg=lambda m: f"param {path}: {m}")
         assert rank_out["local"] == local_wq  # wq [L, D, H*hd] really is split as the layout says
 
 
