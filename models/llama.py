@@ -140,7 +140,7 @@ def param_counts(cfg: Config) -> dict[str, int]:
     """``{"total", "active"}`` from shapes only; a dense model uses every parameter per token.
 
     Example:
-        param_counts(Config.from_dict({...llama3_8b...}))  # {"total": 8030261248, "active": 8030261248}
+        param_counts(Config())  # {"total": 155968, "active": 155968}; llama3_8b gives 8030261248
     """
     total = count_params(param_table(cfg))
     return {"total": total, "active": total}
