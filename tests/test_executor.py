@@ -5,6 +5,8 @@ layers with RMSNorm, output head, cross-entropy) for 3 steps per schedule on pp2
 pp2 x dp2, and the results are compared with the same steps on one device (fp32, rtol 1e-5).
 """
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,3 +146,42 @@ def test_pp4_every_schedule():
 
 def test_pp2_dp2_every_schedule():
     check_parity({"pp": 2, "dp": 2}, SCHEDULES, m=4)
+
+
+# ------------------------------------------------------------------ one process
+
+
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "zbh1"])
+def test_one_rank_schedule_hands_activations_over_locally(name, tmp_path):
+    params, batch = tiny_params(), batches(1)[0]
+    sched = get_schedule(name, 1, 4, 2 if name == "interleaved_1f1b" else None)
+    pipe = build_pipeline(tiny_loss, params, {k: v[:2] for k, v in batch.items()}, sched.n_stages)
+    held = {s: stage_params(params, pipe, s) for s in range(pipe.n_stages)}
+    out = executor.run_schedule(pipe, sched, 0, held, executor.split_microbatches(batch, 4), record=True)
+    ref_grads, ref_loss = torch.func.grad_and_value(tiny_loss)(params, batch)
+    _close(out.loss, ref_loss)
+    for s in range(pipe.n_stages):
+        for path, g in out.grads[s].items():
+            want = stage_params(ref_grads, pipe, s)[path]
+            _close(g, want)
+    assert out.peak_saved_bytes > 0
+    assert [e["name"] for e in out.events] == [a.cell for a in sched.actions[0]]
+
+    path = executor.write_chrome_trace(out.events, tmp_path / "trace.json")
+    trace = json.loads(path.read_text())["traceEvents"]
+    slices = [e for e in trace if e["ph"] == "X"]
+    assert len(slices) == len(sched.actions[0]) and {e["pid"] for e in slices} == {0}
+    assert min(e["ts"] for e in slices) == 0 and all(e["dur"] >= 0 for e in slices)
+    assert 0.0 <= executor.bubble_fraction(out.events) < 1.0
+
+
+def test_errors_name_the_fix():
+    params, batch = tiny_params(), batches(1)[0]
+    pipe = build_pipeline(tiny_loss, params, {k: v[:2] for k, v in batch.items()}, 2, split=())
+    with pytest.raises(ValueError, match=r"split into 2; build it with n_stages=1"):
+        executor.run_schedule(pipe, get_schedule("1f1b", 1, 4), 0, {}, [])
+    with pytest.raises(ValueError, match=r"8 rows, not divisible by pipeline.microbatches=3"):
+        executor.split_microbatches(batch, 3)
+    with pytest.raises(ValueError, match=r"without clip_by_global_norm and set grad_clip"):
+        executor.make_pipeline_step(pipe, get_schedule("1f1b", 1, 4), None,
+                                    optim.chain(optim.clip_by_global_norm(1.0), make_adamw()))
