@@ -68,7 +68,7 @@ def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend:
     from shardfn.runtime.train import make_train_step
 
     specs = layout(cfg, model, params, opt_state, mesh)
-    step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"]))
+    step = with_expert_regions(make_train_step(model, cfg.model, constrained(optimizer, specs["params"])), cfg, mesh, specs)
     if backend == "default":
         backend = "inductor" if cfg.train.compile else None
     fsdp = (0,) if mesh.axes.get("fsdp", 1) > 1 else ()
@@ -86,6 +86,31 @@ def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend:
     run.jitted = jitted
     run.specs = specs
     return run
+
+
+def with_expert_regions(step, cfg, mesh, specs):
+    """``step`` with its MoE layers' routed experts in per-rank regions: an all-to-all exchange
+    over ``ep`` when ``mesh.ep > 1``, else each rank's own tokens through whole experts. Dense
+    models are returned unchanged."""
+    n_experts = getattr(cfg.model, "n_experts", 0)
+    batch = specs["batch"]
+    data_axes = tuple(batch.axes()) if len(batch) else ()
+    if not n_experts or not data_axes:
+        return step
+    from shardfn.core import moe
+    from shardfn.runtime import moe_dispatch
+
+    if mesh.axes.get("ep", 1) > 1:
+        routed = moe_dispatch.expert_parallel_region(
+            mesh, data_axes, "ep", n_experts, getattr(cfg.model, "capacity_factor", 0.0) or 0.0)
+    else:
+        routed = moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
+
+    def step_with_regions(*args):
+        with moe.routed_experts_impl(routed):
+            return step(*args)
+
+    return step_with_regions
 
 
 def full(tree: Any) -> Any:
