@@ -73,7 +73,7 @@ def test_compiled_step_matches_eager():
 
 
 def test_short_run_loss_drops(tmp_path):
-    cfg = load_config(None, ["train.steps=30", "train.batch_size=8", "train.seq_len=64", "train.log_every=10"])
+    cfg = load_config(None, ["train.steps=30", "train.batch_size=8", "train.seq_len=64", "train.warmup_steps=5", "train.log_every=10"])
     lines = []
     result = train(cfg, metrics_path=tmp_path / "m.jsonl", log=lines.append)
     losses = [r["loss"] for r in result.history]
