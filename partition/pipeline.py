@@ -371,7 +371,11 @@ def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
                                 f"{'' if not isinstance(out, torch.Tensor) else ' of shape ' + str(tuple(out.shape))}")
         return [out]
 
-    gm = make_fx(flat_loss, tracing_mode="fake", _allow_non_fake_inputs=True)(*p_leaves, *b_leaves)
+    leaves, seen = [], set()
+    for x in p_leaves + b_leaves:  # one tensor passed as two leaves would trace as one input
+        leaves.append(x.clone() if id(x) in seen else x)
+        seen.add(id(x))
+    gm = make_fx(flat_loss, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     param_nodes = {path: n for (path, _), n in zip(p_items, placeholders[:n_p])}
     data_nodes = {path: n for (path, _), n in zip(b_items, placeholders[n_p:])}

@@ -266,7 +266,8 @@ def split_microbatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str,
             raise ValueError(f"batch leaf {path!r} has {b} rows, not divisible by pipeline.microbatches={n}; "
                              f"make train.batch_size a multiple of microbatches x mesh.dp")
     chunks = {p: t.chunk(n, 0) for p, t in flat.items()}
-    return [{p: c[i] for p, c in chunks.items()} for i in range(n)]
+    # contiguous, as traced: the stage programs' views assume the trace's (contiguous) strides
+    return [{p: c[i].contiguous() for p, c in chunks.items()} for i in range(n)]
 
 
 def dp_shard(batch: dict, dp_rank: int, dp: int) -> dict:
@@ -365,6 +366,34 @@ class PipelineStep:
             held[s] = tensors
         return merge_params(held, self.pipe)
 
+    def gather_state(self, opt_state: Any) -> Any:
+        """``opt_state`` with every tree shaped like the local params (AdamW's ``mu``, ``nu``)
+        replaced by the full tree, on every ``pp`` rank (for checkpoints)."""
+        return _map_local_trees(self.gather, opt_state, set(map(stage_key, self.stages)))
+
+    def scatter_state(self, opt_state_full: Any, params: PyTree) -> Any:
+        """Inverse of :meth:`gather_state`: each full-params-shaped tree cut to this rank's stages."""
+        treedef = tree_flatten(params)[1]
+
+        def cut(tree):
+            return self.scatter(tree) if tree_flatten(tree)[1] == treedef else tree
+
+        return _map_trees(cut, opt_state_full, lambda t: isinstance(t, dict) and tree_flatten(t)[1] == treedef)
+
+    def write_trace(self, path: str | os.PathLike) -> Path | None:
+        """Write the latest step's action timings of every rank as one Chrome trace (on global rank 0).
+
+        Needs ``record=True``. Every rank must call it (the events are gathered).
+        """
+        events = self.last_run.events if self.last_run is not None else []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, events)
+            events = [e for rank_events in everyone for e in rank_events]
+            if dist.get_rank() != 0:
+                return None
+        return write_chrome_trace(events, path)
+
     def __call__(self, params_local: dict, opt_state: Any, global_batch: dict) -> tuple[dict, Any, dict]:
         batch = dp_shard(global_batch, self.dp_rank, self.dp)
         mbs = split_microbatches(batch, self.schedule.n_microbatches)
@@ -388,6 +417,23 @@ class PipelineStep:
         lr = optim.find_state(opt_state, optim.ScaleByLearningRateState)
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr.lr if lr is not None else torch.zeros(())}
         return params_local, opt_state, metrics
+
+
+def _map_trees(fn, state: Any, match) -> Any:
+    """``fn`` applied to every sub-tree of ``state`` (NamedTuples, tuples, lists, dicts) where ``match`` holds."""
+    if match(state):
+        return fn(state)
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        return type(state)(*[_map_trees(fn, s, match) for s in state])
+    if isinstance(state, (tuple, list)):
+        return type(state)(_map_trees(fn, s, match) for s in state)
+    if isinstance(state, dict):
+        return {k: _map_trees(fn, v, match) for k, v in state.items()}
+    return state
+
+
+def _map_local_trees(fn, state: Any, keys: set[str]) -> Any:
+    return _map_trees(fn, state, lambda t: isinstance(t, dict) and t and set(t) == keys)
 
 
 def _device(held: dict) -> torch.device:
@@ -481,6 +527,55 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
             for part in (pipe.stages[s].F, pipe.stages[s].I, pipe.stages[s].W):
                 part.compile()
     return PipelineStep(pipe, schedule, optimizer, grad_clip, pp_rank, dp_rank, dp, pp_group, dp_group, record)
+
+
+def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool = False) -> PipelineStep:
+    """The pipeline training step of a run config (``mesh.pp > 1``), for this rank.
+
+    Reads ``pipeline.schedule``, ``pipeline.microbatches`` and ``pipeline.stages`` (null: one
+    stage per rank, two for ``interleaved_1f1b`` and ``dualpipev``), ``mesh.pp`` and
+    ``mesh.dp``, and the ``train`` section's optimizer, clipping, batch size and sequence length.
+    Only this rank's stages get F / I / W programs. ``params`` gives shapes (real or fake).
+
+    Example:
+        step = build_pipeline_step(cfg, llama, params)
+        params_local = step.scatter(params); opt_state = step.optimizer.init(params_local)
+        params_local, opt_state, metrics = step(params_local, opt_state, batch)
+    """
+    import shardfn as sf
+    from shardfn.runtime.schedules import get_schedule
+
+    pp, dp = cfg.mesh.pp, cfg.mesh.dp
+    others = {k: v for k, v in cfg.mesh.axes().items() if k not in ("pp", "dp") and v > 1}
+    if others:
+        raise NotImplementedError(f"pipeline parallelism composes with mesh.dp only so far; set "
+                                  f"{', '.join(f'mesh.{k}=1' for k in others)}")
+    p = cfg.pipeline
+    virtual = None
+    if p.stages is not None:
+        if p.stages % pp:
+            raise ValueError(f"pipeline.stages={p.stages} is not a multiple of mesh.pp={pp}; use "
+                             f"{pp * max(1, p.stages // pp)} or null (one stage per rank)")
+        virtual = p.stages // pp
+    sched = get_schedule(p.schedule, pp, p.microbatches, virtual)
+    rows = cfg.train.batch_size // (dp * p.microbatches)
+    if rows * dp * p.microbatches != cfg.train.batch_size:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.dp x "
+                         f"pipeline.microbatches = {dp * p.microbatches}; make it a multiple of it")
+    tokens = torch.zeros(rows, cfg.train.seq_len, dtype=torch.long, device=next(iter(_leaves(params))).device)
+    if mesh is None:
+        mesh = sf.Mesh({"pp": pp, "dp": dp})
+    rank = mesh.coordinate()["pp"]
+    from shardfn.partition.pipeline import build_pipeline
+
+    pipe = build_pipeline(lambda prm, b: model.loss(prm, b, cfg.model), params,
+                          {"inputs": tokens, "targets": tokens}, sched.n_stages, split=sched.stages_of(rank))
+    return make_pipeline_step(pipe, sched, mesh, pipeline_optimizer(cfg.train), grad_clip=cfg.train.grad_clip,
+                              compile=cfg.train.compile, record=record)
+
+
+def _leaves(tree: PyTree) -> list:
+    return tree_flatten(tree)[0]
 
 
 def pipeline_optimizer(train_cfg) -> optim.GradientTransformation:
