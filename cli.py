@@ -152,6 +152,16 @@ def register_subcommand(name: str, help: str, add_arguments, run) -> None:
     SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
 
 
+register_subcommand(
+    "schedule", "print a pipeline schedule's action table, bubble and peak in-flight microbatches",
+    "shardfn.runtime.schedule_cli:add_arguments", "shardfn.runtime.schedule_cli:run",
+)
+register_subcommand(
+    "inspect", "lower a config's train step on a simulated mesh; print its collectives and memory per rank",
+    "shardfn.runtime.inspect_cli:add_arguments", "shardfn.runtime.inspect_cli:run",
+)
+
+
 def _resolve(fn):
     if callable(fn):
         return fn

@@ -87,10 +87,11 @@ def test_layout_matches_one_device(name, reference):
         got_g, got_p = dict(flatten_with_paths(rank_out["grads"])), dict(flatten_with_paths(rank_out["params"]))
         for path, g in flatten_with_paths(ref_grads):
             torch.testing.assert_close(got_g[path], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {path}: {m}")
-        # Adam divides by sqrt(v): where a gradient is near zero, its last-bit differences (the
-        # sums run in another order) move that element's update by up to ~1e-6 absolute.
+        # Adam divides by sqrt(v): where a gradient is near zero (~eps), its last-bit differences
+        # (sums run in another order) move that element's update by up to ~1% of the lr (3e-3);
+        # measured: 1-2 of 32768 elements differ, by at most 1.05e-5.
         for path, p in flatten_with_paths(ref_params):
-            torch.testing.assert_close(got_p[path], p, rtol=1e-5, atol=5e-6, msg=lambda m: f"param {path}: {m}")
+            torch.testing.assert_close(got_p[path], p, rtol=1e-5, atol=3e-5, msg=lambda m: f"param {path}: {m}")
         assert rank_out["local"] == local_wq  # wq [L, D, H*hd] really is split as the layout says
 
 
