@@ -5,63 +5,11 @@ import pytest
 import torch
 
 import shardfn as sf
-from shardfn import P, models
-from shardfn.core.config import load_config
+from parity import assert_matches, layout_worker, reference, setup
+from shardfn import P
 from shardfn.core.pytree import flatten_with_paths, size_bytes
-from shardfn.core.transforms import value_and_grad
-from shardfn.runtime import data
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.partitioned import full, layout, mesh_from_config, partitioned_step
-from shardfn.runtime.train import make_optimizer, make_train_step
-
-STEPS = 3
-BASE = ["train.batch_size=8", "train.seq_len=32", "train.warmup_steps=1"]
-
-
-def setup(overrides):
-    cfg = load_config(None, BASE + list(overrides))
-    model = models.get(cfg.model_name)
-    params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
-    tokens = data.from_config(cfg.data)
-    batches = [data.get_batch(tokens, s, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
-                              seed=cfg.train.seed) for s in range(STEPS)]
-    return cfg, model, params, opt, batches
-
-
-def _grad_fn(model, cfg):
-    return value_and_grad(lambda p, b: model.loss(p, b, cfg.model))
-
-
-def _layout_worker(overrides):
-    cfg, model, params, opt, batches = setup(overrides)
-    state = opt.init(params)
-    mesh = mesh_from_config(cfg)
-    step = partitioned_step(cfg, model, opt, params, state, mesh, backend=None)
-    specs = step.specs
-    grad_fn = sf.jit(lambda p, b: (lambda lg: (lg[0], sf.constrain(lg[1], specs["params"])))(_grad_fn(model, cfg)(p, b)),
-                     mesh, in_specs=(specs["params"], specs["batch"]), out_specs=(P(), specs["params"]),
-                     fsdp_argnums=(0,) if cfg.mesh.fsdp > 1 else (), backend=None)
-    loss0, grads0 = grad_fn(params, batches[0])
-    losses = []
-    for b in batches:
-        params, state, metrics = step(params, state, b)
-        losses.append(metrics["loss"])
-    return {"losses": torch.stack(losses), "grads": full(grads0), "params": full(params),
-            "local": tuple(params["layers"]["attn"]["wq"].to_local().shape)}
-
-
-def _reference():
-    cfg, model, params, opt, batches = setup([])
-    state = opt.init(params)
-    step = make_train_step(model, cfg.model, opt)
-    _, grads0 = _grad_fn(model, cfg)(params, batches[0])
-    losses = []
-    for b in batches:
-        params, state, metrics = step(params, state, b)
-        losses.append(metrics["loss"])
-    return torch.stack(losses), grads0, params
-
+from shardfn.runtime.partitioned import layout, mesh_from_config, partitioned_step
 
 LAYOUTS = {
     "dp2": (["mesh.dp=2"], 2, (2, 64, 64)),
@@ -73,26 +21,16 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return _reference()
+def ref():
+    return reference()
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_one_device(name, reference):
+def test_layout_matches_one_device(name, ref):
     overrides, nproc, local_wq = LAYOUTS[name]
-    ref_losses, ref_grads, ref_params = reference
-    out = spawn(_layout_worker, nproc, args=(overrides,), timeout_s=600)
-    for rank_out in out:
-        torch.testing.assert_close(rank_out["losses"], ref_losses, rtol=1e-5, atol=1e-6)
-        got_g, got_p = dict(flatten_with_paths(rank_out["grads"])), dict(flatten_with_paths(rank_out["params"]))
-        for path, g in flatten_with_paths(ref_grads):
-            torch.testing.assert_close(got_g[path], g, rtol=1e-5, atol=1e-6, msg=lambda m: f"grad {path}: {m}")
-        # Adam divides by sqrt(v): where a gradient is near zero (~eps), its last-bit differences
-        # (sums run in another order) move that element's update by up to ~1% of the lr (3e-3);
-        # measured: 1-2 of 32768 elements differ, by at most 1.05e-5.
-        for path, p in flatten_with_paths(ref_params):
-            torch.testing.assert_close(got_p[path], p, rtol=1e-5, atol=3e-5, msg=lambda m: f"param {path}: {m}")
-        assert rank_out["local"] == local_wq  # wq [L, D, H*hd] really is split as the layout says
+    out = spawn(layout_worker, nproc, args=(overrides,), timeout_s=600)
+    assert_matches(out, ref)
+    assert out[0]["local"]["layers.attn.wq"] == local_wq  # wq [L, D, H*hd] really is split as the layout says
 
 
 # ------------------------------------------------------------------ textbook bytes (fake mesh)
