@@ -90,7 +90,7 @@ class Part:
     fn: Callable | None = None  # what run() calls: the graph module, or a compiled version of it
 
     def run(self, env: dict[str, torch.Tensor]) -> None:
-        fn = self.fn or self.graph_module
+        fn = self.graph_module if self.fn is None else self.fn
         outs = fn(*[env[name] for name in self.inputs])
         env.update(zip(self.outputs, outs))
 

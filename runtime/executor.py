@@ -68,12 +68,13 @@ class _RankState:
         self.cots: dict[tuple[int, int], torch.Tensor] = {}   # stage input gradient, for SEND_B or local
         self.recv_x: dict[tuple[int, int], torch.Tensor] = {}
         self.recv_dy: dict[tuple[int, int], torch.Tensor] = {}
-        self.pending_sends: list = []
+        self.pending_sends: list = []  # (work, tensor) of sends posted but not known to be done
 
     def held_bytes(self, param_ptrs: set[int]) -> int:
         seen, total = set(), 0
         pools = [self.acts, self.cots, self.recv_x, self.recv_dy] + list(self.envs.values())
-        for pool in pools:
+        sending = {i: t for i, (_, t) in enumerate(self.pending_sends)}
+        for pool in pools + [sending]:
             for v in pool.values():
                 if not isinstance(v, torch.Tensor):
                     continue
@@ -219,10 +220,17 @@ def run_schedule(
                 ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=a.peer,
                                       tag=_tag(a.stage + 1, True, a.microbatch, m)))
                 recvs.append((state.recv_dy, key, t))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works = dist.batch_isend_irecv(ops)
+        # Receives complete before the next step (the schedule's blocking-batch semantics); a
+        # send is only waited on once its rank needs nothing more from it (see docs/pipeline.md).
+        for op, work in zip(ops, works):
+            if op.op is dist.isend:
+                state.pending_sends.append((work, op.tensor))
+            else:
+                work.wait()
         for pool, key, t in recvs:
             pool[key] = t
+        state.pending_sends = [(w, t) for w, t in state.pending_sends if not w.is_completed()]
 
     run = {"F": forward, "I": backward_input, "W": backward_weight,
            "B": lambda a: (backward_input(a), backward_weight(a))}
@@ -244,6 +252,8 @@ def run_schedule(
                 events.append({"name": name, "kind": kind, "stage": a.stage, "mb": a.microbatch,
                                "start_ns": t0, "end_ns": t1, "rank": rank_id})
                 peak = max(peak, state.held_bytes(param_ptrs))
+    for work, _ in state.pending_sends:
+        work.wait()
     leftover = [k for k in state.envs]
     if leftover:
         raise RuntimeError(f"rank {pp_rank}: the schedule left (stage, microbatch) {leftover} without a W or B")

@@ -241,3 +241,17 @@ def test_llama_tiny_config_matches_the_one_device_step():
         # order can move its parameter by a few 1e-6 at lr 3e-3, so params get an absolute slack.
         for a, b in zip(tree_leaves(o["params"]), tree_leaves(params)):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_programs_match():
+    params, batch = tiny_params(), batches(1)[0]
+    pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 1)
+    step = executor.make_pipeline_step(pipe, get_schedule("zbh1", 1, 2), None, make_adamw(), compile=True)
+    out = executor.run_schedule(pipe, step.schedule, 0, {0: stage_params(params, pipe, 0)},
+                                executor.split_microbatches(batch, 2))
+    assert pipe.stages[0].F.fn is not None
+    ref_grads, ref_loss = torch.func.grad_and_value(tiny_loss)(params, batch)
+    _close(out.loss, ref_loss)
+    for path, g in out.grads[0].items():
+        _close(g, stage_params(ref_grads, pipe, 0)[path])
