@@ -110,6 +110,11 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -
         for key, x in aux.items():
             if x.ndim == 0 and x.is_floating_point() and key not in metrics:
                 metrics[key] = x.detach()
+        if "expert_counts" in aux:  # [Lm, E] tokens per expert: load max / mean, per MoE layer
+            counts = aux["expert_counts"].to(torch.float32)
+            load = counts.amax(-1) / counts.mean(-1).clamp_min(1.0)
+            for i in range(load.shape[0]):
+                metrics[f"expert_load_max_over_mean/{i}"] = load[i]
         return params, opt_state, metrics
 
     return train_step
