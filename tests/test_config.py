@@ -138,3 +138,15 @@ def test_parse_helpers():
     assert C.parse_override("data.path=a=b.txt") == ("data.path", "a=b.txt")
     assert C.parse_value("1e-3") == 1e-3 and C.parse_value("null") is None and C.parse_value("x: [") == "x: ["
     assert C.parse_bytes("1.5 GB") == 1_500_000_000 and C.parse_bytes("2KiB") == 2048
+
+
+def test_readme_config_block_is_a_valid_config():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    readme = (Path(C.__file__).resolve().parent.parent / "README.md").read_text()
+    block = re.search(r"## Config format.*?```yaml\n(.*?)```", readme, re.S).group(1)
+    cfg = C.config_from_dict(yaml.load(block, Loader=C._Loader))
+    assert cfg.train == C.load_config().train  # the README shows llama_tiny's train section
