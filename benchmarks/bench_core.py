@@ -1,0 +1,330 @@
+"""One training step of llama_tiny: shardfn's functional step vs an ``nn.Module`` reference.
+
+Four variants run side by side in one process, from the same weights, on the same batches:
+
+    functional/eager      make_train_step(llama, ...) called directly
+    functional/compiled   the same function under torch.compile
+    reference/eager       an nn.Module Llama (below) + clip_grad_norm_ + torch.optim.AdamW
+    reference/compiled    torch.compile(module) + a torch.compile'd clip-and-step (the PyTorch
+                          "compiling the optimizer" recipe, learning rate as a tensor)
+
+Both sides do identical math: forward, cross-entropy, backward, global-norm clipping and AdamW
+on the same warmup-cosine schedule. The script first checks that all four agree on the losses
+and the parameters after the warm-up steps, then times the variants round-robin (so background
+load hits them alike) and reports the median time per step and the ratios functional /
+reference. Target: functional compiled <= 1.0x reference compiled.
+
+    python benchmarks/bench_core.py                       # llama_tiny, writes benchmarks/results/bench_core.json
+    python benchmarks/bench_core.py --out /tmp/b.json train.batch_size=32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardfn import models
+from shardfn.core import optim
+from shardfn.core.config import load_config
+from shardfn.core.pytree import tree_leaves
+from shardfn.runtime import data
+from shardfn.runtime.train import make_optimizer, make_train_step
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_core.json"
+
+
+# ----------------------------------------------------------------------------- reference model
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [B, H, S, hd]
+        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, hd]
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if self.n_kv_heads != self.n_heads:
+            k = k.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+            v = v.repeat_interleave(self.n_heads // self.n_kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, S, hd]
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm, self.attention = RMSNorm(cfg.dim, cfg.norm_eps), Attention(cfg)
+        self.ffn_norm, self.feed_forward = RMSNorm(cfg.dim, cfg.norm_eps), FeedForward(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Llama 3 as an ``nn.Module`` (gpt-fast / TorchTitan layout), for comparison only."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        assert not cfg.tie_embeddings, "the reference model has an untied output head"
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens):
+        s, hd = tokens.shape[1], self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=tokens.device, dtype=torch.float32) / hd))
+        angles = torch.outer(torch.arange(s, device=tokens.device, dtype=torch.float32), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [S, hd]
+        cos, sin = angles.cos(), angles.sin()
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def load_functional(self, params):
+        """Copy a ``shardfn.models.llama`` parameter tree in (``[in, out]`` -> ``nn.Linear``'s ``[out, in]``)."""
+        self.tok_embeddings.weight.copy_(params["embed"])
+        self.norm.weight.copy_(params["norm"])
+        self.output.weight.copy_(params["out"].t())
+        stack = params["layers"]
+        for i, layer in enumerate(self.layers):
+            layer.attention_norm.weight.copy_(stack["attn_norm"][i])
+            layer.ffn_norm.weight.copy_(stack["mlp_norm"][i])
+            for name in ("wq", "wk", "wv", "wo"):
+                getattr(layer.attention, name).weight.copy_(stack["attn"][name][i].t())
+            for name in ("w1", "w2", "w3"):
+                getattr(layer.feed_forward, name).weight.copy_(stack["mlp"][name][i].t())
+        return self
+
+
+# ----------------------------------------------------------------------------- variants
+
+
+class Functional:
+    def __init__(self, cfg, model, params, compiled):
+        opt = make_optimizer(cfg.train)
+        self.step_fn = make_train_step(model, cfg.model, opt)
+        if compiled:
+            self.step_fn = torch.compile(self.step_fn)
+        self.params, self.state = params, opt.init(params)
+
+    def step(self, batch):
+        self.params, self.state, metrics = self.step_fn(self.params, self.state, batch)
+        return metrics["loss"]
+
+    def flat_params(self):
+        p = self.params
+        stack = p["layers"]
+        out = [p["embed"]]
+        for i in range(stack["attn_norm"].shape[0]):
+            out += [stack["attn_norm"][i], stack["mlp_norm"][i]]
+            out += [stack["attn"][n][i] for n in ("wq", "wk", "wv", "wo")]
+            out += [stack["mlp"][n][i] for n in ("w1", "w2", "w3")]
+        return out + [p["norm"], p["out"]]
+
+
+class Reference:
+    def __init__(self, cfg, params, compiled):
+        t = cfg.train
+        self.module = Llama(cfg.model).load_functional(params)
+        self.schedule = optim.warmup_cosine(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        lr = torch.tensor(float(self.schedule(0))) if compiled else float(self.schedule(0))
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=lr, betas=(t.b1, t.b2), eps=t.eps,
+                                     weight_decay=t.weight_decay)
+        self.clip, self.compiled, self.count = t.grad_clip, compiled, 0
+        self.forward = torch.compile(self.module) if compiled else self.module
+        self.update = torch.compile(self._update) if compiled else self._update
+
+    def _update(self):
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.opt.step()
+
+    def step(self, batch):
+        lr = float(self.schedule(self.count))
+        for group in self.opt.param_groups:
+            if self.compiled:
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        logits = self.forward(batch["inputs"])
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["targets"].reshape(-1))
+        loss.backward()
+        self.update()
+        self.count += 1
+        return loss.detach()
+
+    def flat_params(self):
+        m = self.module
+        out = [m.tok_embeddings.weight.detach()]
+        for layer in m.layers:
+            out += [layer.attention_norm.weight.detach(), layer.ffn_norm.weight.detach()]
+            out += [getattr(layer.attention, n).weight.detach().t() for n in ("wq", "wk", "wv", "wo")]
+            out += [getattr(layer.feed_forward, n).weight.detach().t() for n in ("w1", "w2", "w3")]
+        return out + [m.norm.weight.detach(), m.output.weight.detach().t()]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="llama_tiny", help="run config (default: llama_tiny)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant (compilation)")
+    parser.add_argument("--rounds", type=int, default=6, help="round-robin rounds over the variants")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    parser.add_argument("--variants", default="functional/eager,functional/compiled,reference/eager,reference/compiled")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON results (default: {DEFAULT_OUT})")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    args = parser.parse_args(argv)
+
+    cfg = load_config(args.config, args.overrides)
+    if cfg.model_name != "llama":
+        parser.error(f"the reference module is a Llama; {args.config} is a {cfg.model_name!r} model")
+    torch.manual_seed(0)
+    device = torch.device(cfg.runtime.device)
+    t = cfg.train
+    model = models.get("llama")
+    params = model.init(cfg.model, t.seed, device=device)
+    tokens = data.from_config(cfg.data)
+    n_batches = args.warmup + args.rounds * args.steps
+    batches = [data.get_batch(tokens, s, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, device=device)
+               for s in range(n_batches)]
+
+    factories = {
+        "functional/eager": lambda: Functional(cfg, model, params, compiled=False),
+        "functional/compiled": lambda: Functional(cfg, model, params, compiled=True),
+        "reference/eager": lambda: Reference(cfg, params, compiled=False),
+        "reference/compiled": lambda: Reference(cfg, params, compiled=True),
+    }
+    names = [n.strip() for n in args.variants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in factories]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}; valid: {', '.join(factories)}")
+    variants = {n: factories[n]() for n in names}
+
+    # Warm-up (compiles), and a parity check: same losses and parameters from the same start.
+    warm = {}
+    losses = {}
+    for name, v in variants.items():
+        tic = time.perf_counter()
+        losses[name] = [float(v.step(batches[i])) for i in range(args.warmup)]
+        warm[name] = time.perf_counter() - tic
+        print(f"warm-up {name:<20} {warm[name]:7.2f}s  losses {[round(x, 4) for x in losses[name]]}", flush=True)
+    base = names[0]
+    parity = {}
+    for name in names[1:]:
+        dp = max(float((a - b).abs().max()) for a, b in zip(variants[base].flat_params(), variants[name].flat_params()))
+        dl = max(abs(a - b) for a, b in zip(losses[base], losses[name]))
+        parity[name] = {"max_abs_param_diff": dp, "max_abs_loss_diff": dl}
+
+    # Timing, round-robin.
+    times = {n: [] for n in names}
+    i = args.warmup
+    for _ in range(args.rounds):
+        for name, v in variants.items():
+            for k in range(args.steps):
+                batch = batches[i + k]
+                tic = time.perf_counter()
+                float(v.step(batch))  # sync: the step is done
+                times[name].append(time.perf_counter() - tic)
+        i += args.steps
+
+    tokens_per_step = t.batch_size * t.seq_len
+    results = {}
+    for name in names:
+        med = statistics.median(times[name])
+        results[name] = {"ms_per_step": 1e3 * med, "tokens_per_s": tokens_per_step / med,
+                         "ms_per_step_min": 1e3 * min(times[name]), "warmup_s": warm[name]}
+    ratios = {}
+    for mode in ("eager", "compiled"):
+        f, r = f"functional/{mode}", f"reference/{mode}"
+        if f in results and r in results:
+            ratios[mode] = results[f]["ms_per_step"] / results[r]["ms_per_step"]
+
+    print(f"\n{cfg.model_name} {cfg.source and Path(cfg.source).stem}: batch {t.batch_size}x{t.seq_len}, "
+          f"{sum(x.numel() for x in tree_leaves(params)):,} params, {device}, {torch.get_num_threads()} threads")
+    print(f"{'variant':<22}{'ms/step':>10}{'min':>10}{'tok/s':>12}{'warm-up s':>11}")
+    for name, r in results.items():
+        print(f"{name:<22}{r['ms_per_step']:>10.2f}{r['ms_per_step_min']:>10.2f}{r['tokens_per_s']:>12,.0f}{r['warmup_s']:>11.1f}")
+    for mode, x in ratios.items():
+        print(f"functional / reference ({mode}): {x:.3f}x")
+    for name, p in parity.items():
+        print(f"parity {base} vs {name}: params {p['max_abs_param_diff']:.2e}, loss {p['max_abs_loss_diff']:.2e}")
+
+    out = {
+        "benchmark": "bench_core",
+        "config": cfg.source,
+        "model": cfg.model_name,
+        "batch_size": t.batch_size,
+        "seq_len": t.seq_len,
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "timed_steps_per_variant": args.rounds * args.steps,
+        "variants": results,
+        "ratios_functional_over_reference": ratios,
+        "target": "functional/compiled <= 1.0x reference/compiled",
+        "target_met": ratios.get("compiled", float("inf")) <= 1.0 if "compiled" in ratios else None,
+        "parity_vs_" + base.replace("/", "_"): parity,
+    }
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
