@@ -160,6 +160,11 @@ _CKPT = re.compile(r"^step_(\d{8})\.pt$")
 
 
 def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint after ``step`` steps lives: ``directory/step_00000100.pt``.
+
+    Example:
+        checkpoint_path("runs/ckpt", 100)  # PosixPath('runs/ckpt/step_00000100.pt')
+    """
     return Path(directory) / f"step_{step:08d}.pt"
 
 
@@ -225,6 +230,8 @@ def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like
 
 
 class TrainResult(NamedTuple):
+    """What :func:`train` returns."""
+
     params: PyTree
     opt_state: Any
     history: list  # one dict per step run: step, loss, grad_norm, lr, tokens_per_s, time_s
