@@ -7,7 +7,7 @@ targets) and is duplicated into each stage that uses it. A cut between two posit
 activations' topological order is valid when exactly one floating-point activation crosses it;
 ``n_stages - 1`` cuts are chosen among the valid ones to minimise the most expensive stage
 (matmul FLOPs + elementwise outputs + parameter bytes), or taken from ``sf.pipeline_split``
-markers when the model has any.
+markers when the model has any. docs/pipeline.md has the whole design.
 
 Each stage is its own program ``(x, *data, *params) -> y``, where a stacked parameter is the
 stage's own slice ``w[l0:l1]`` with its ``select`` indices rebased, so a rank only ever holds
@@ -117,7 +117,8 @@ class Stage:
         data_paths: batch leaves the stage reads (``inputs``, ``targets``).
         in_spec: the incoming activation (None on stage 0); out_spec: the output (the loss on
             the last stage).
-        flops, param_bytes: the forward's matmul FLOPs and the bytes of the parameters it holds.
+        flops, param_bytes: the forward's cost (:func:`node_flops` summed) and the bytes of the
+            parameters it holds.
         F, I, W: the split joint (see :func:`split_fiw`); ``y_name``, ``dx_name`` and
             ``grad_names`` (aligned with ``param_paths``) name their results in the value env.
     """
@@ -466,7 +467,8 @@ def choose_cuts(costs: Sequence[float], cuts: Sequence[CutPoint], n_stages: int)
     """``n_stages - 1`` of ``cuts`` minimising the largest stage cost (exact, O(S * V log V)).
 
     Example:
-        choose_cuts([1, 1, 1, 1], [CutPoint(k, v) for k, v in ...], 2)  # the cut at position 2
+        cuts = [CutPoint(1, a), CutPoint(2, b), CutPoint(3, c)]
+        choose_cuts([1, 1, 1, 1], cuts, 2)  # [CutPoint(2, b)]: two stages of cost 2
     """
     if n_stages == 1:
         return []
