@@ -226,6 +226,14 @@ def test_fiw_parts_cut_the_joint_by_dependency():
     assert not [n for n in st.F.outputs if n.startswith("select") or n.startswith("t_")]
 
 
+def test_stacked_grads_are_one_stack_not_a_sum_of_zero_padded_slices():
+    pipe = build_pipeline(tiny_loss, tiny_params(4), tiny_batch(), 2)
+    for st in pipe.stages:
+        targets = {n.target for n in st.W.graph_module.graph.nodes}
+        assert torch.ops.aten.select_backward.default not in targets
+        assert torch.ops.aten.stack.default in targets
+
+
 def test_extract_subgraph():
     def f(x, w):
         return torch.relu(x @ w) + 1
