@@ -160,6 +160,7 @@ register_subcommand(
     "inspect", "lower a config's train step on a simulated mesh; print its collectives and memory per rank",
     "shardfn.runtime.inspect_cli:add_arguments", "shardfn.runtime.inspect_cli:run",
 )
+register_subcommand("plan", "plan memory, collectives and step time per rank at any scale; --search for layouts that fit", "shardfn.runtime.plan_cli:add_arguments", "shardfn.runtime.plan_cli:run")
 
 
 def _resolve(fn):

@@ -1,0 +1,89 @@
+"""``shardfn plan``: memory, collectives, step time and fit per rank of a run config on a
+simulated mesh of any size; or, with ``--search``, the layouts of N devices that fit, fastest first.
+
+    shardfn plan --config kimi_k2_1t mesh.pp=16 mesh.ep=64 mesh.dp=2 --hardware h200 [--json]
+    shardfn plan --config deepseek_v3_671b --search --gpus 2048 [--top 5] [--json]
+
+Nothing is allocated or run: parameters are fake tensors, the mesh is torch's fake process
+group, and a reduced model (one or two layers of each kind) is traced and scaled to the full
+depth (see ``shardfn.partition.plan`` and docs/plan.md). Exit codes: 0 a plan (whether or not it
+fits; see ``fits``) or a search that found a fitting layout, 1 a search that found none,
+2 a layout that cannot run (the message names the config key) or a config error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``shardfn plan`` (``--config`` and ``section.key=value`` included)."""
+    from shardfn.cli import add_config_arguments
+    from shardfn.partition.hardware import available_hardware
+
+    add_config_arguments(parser)
+    parser.add_argument("--hardware", default="h200", metavar="NAME",
+                        help=f"hardware profile: {', '.join(available_hardware())}, or a YAML file (default: h200)")
+    parser.add_argument("--json", action="store_true", help="print the plan (or the search's list) as JSON")
+    parser.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing")
+    parser.add_argument("--dtype", choices=_DTYPES, default="float32",
+                        help="parameter and compute dtype (default: float32, what the train step runs)")
+    parser.add_argument("--gpus", type=int, metavar="N", help="devices: the mesh must use exactly N (required by --search)")
+    parser.add_argument("--search", action="store_true", help="enumerate layouts of --gpus devices; print those that fit")
+    parser.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many fitting layouts (default 10)")
+    parser.add_argument("--schedules", default="1f1b,interleaved_1f1b,zbh1,dualpipev", metavar="LIST",
+                        help="--search: pipeline schedules to try, comma-separated")
+    parser.add_argument("--microbatches", default=None, metavar="LIST",
+                        help="--search: microbatch counts to try, comma-separated (default: pp x 1, 2, 4, 8 and one row each)")
+    parser.add_argument("--max-tp", type=int, default=None, metavar="N",
+                        help="--search: largest tp to try (default: the hardware's gpus_per_node)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardfn.cli import UsageError, config_from_args
+    from shardfn.partition import plan as planner
+
+    cfg = config_from_args(args)
+    dtype = getattr(torch, args.dtype)
+    try:
+        if args.search:
+            return _search(cfg, args, dtype)
+        plan = planner.make_plan(cfg, hardware=args.hardware, dtype=dtype, checkpointing=args.checkpointing or None,
+                                 gpus=args.gpus)
+    except planner.PlanError as e:
+        raise UsageError(str(e)) from None
+    except (ValueError, FileNotFoundError) as e:  # a hardware profile or schedule name
+        raise UsageError(str(e)) from None
+    print(json.dumps(plan.to_dict()) if args.json else planner.format_plan(plan))
+    return 0
+
+
+def _search(cfg, args: argparse.Namespace, dtype) -> int:
+    from shardfn.cli import UsageError
+    from shardfn.partition import plan as planner
+
+    if not args.gpus:
+        raise UsageError("--search needs --gpus N, the number of devices to lay the run out on")
+    schedules = tuple(s.strip().lower().replace("-", "_") for s in args.schedules.split(",") if s.strip())
+    unknown = [s for s in schedules if s not in planner.SCHEDULE_NAMES]
+    if unknown:
+        raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}; valid: {', '.join(planner.SCHEDULE_NAMES)}")
+    try:
+        microbatches = [int(m) for m in args.microbatches.split(",")] if args.microbatches else None
+    except ValueError:
+        raise UsageError(f"--microbatches takes comma-separated integers, got {args.microbatches!r}") from None
+    checkpointing = (True,) if args.checkpointing else (False, True)
+    result = planner.search(cfg, args.gpus, hardware=args.hardware, dtype=dtype, schedules=schedules,
+                            microbatches=microbatches, checkpointing=checkpointing, max_tp=args.max_tp,
+                            top=args.top, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(result.to_list()))
+    else:
+        print(planner.format_search(result))
+    return 0 if result.plans else 1
