@@ -255,3 +255,24 @@ def test_compiled_programs_match():
     _close(out.loss, ref_loss)
     for path, g in out.grads[0].items():
         _close(g, stage_params(ref_grads, pipe, 0)[path])
+
+
+def test_local_trees_round_trip_params_and_optimizer_state():
+    params, batch = tiny_params(), batches(1)[0]
+    sched = get_schedule("interleaved_1f1b", 1, 2, 2)
+    pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 2)
+    step = executor.make_pipeline_step(pipe, sched, None, make_adamw(), grad_clip=CLIP)
+    local = step.scatter(params)
+    assert sorted(local) == ["stage0", "stage1"]
+    assert local["stage0"]["layers"]["w1"].shape == (L // 2, D, H)   # stacked leaves narrowed
+    assert "head" in local["stage1"] and "embed" in local["stage0"]
+    for a, b in zip(tree_leaves(step.gather(local)), tree_leaves(params)):
+        assert torch.equal(a, b)
+    local, state, metrics = step(local, step.optimizer.init(local), batch)
+    full_state = step.gather_state(state)
+    adam = optim.find_state(full_state, optim.ScaleByAdamState)
+    assert adam.mu["layers"]["w1"].shape == (L, D, H)                # the full tree, as on one device
+    again = step.scatter_state(full_state, params)
+    for a, b in zip(tree_leaves(again), tree_leaves(state)):
+        assert torch.equal(a, b)
+    assert set(metrics) == {"loss", "grad_norm", "lr"}
