@@ -414,16 +414,15 @@ class PipelineStep:
         if self.dp > 1:
             grads = _all_reduce_mean(grads, self.dp, self.dp_group)
         self.last_grads = grads
-        norm = global_grad_norm(grads, self.pp_group if self.schedule.n_ranks > 1 else None)
+        norm = global_grad_norm(grads, self.pp_group, over=self.schedule.n_ranks > 1)
         if self.grad_clip is not None:
             scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
             grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
         updates, opt_state = self.optimizer.update(grads, opt_state, params_local)
         params_local = optim.apply_updates(params_local, updates)
         loss = out.loss if out.loss is not None else torch.zeros((), device=norm.device)
-        loss = _sum_over(loss.detach().clone(), self.pp_group if self.schedule.n_ranks > 1 else None)
-        if self.dp > 1:
-            loss = _sum_over(loss, self.dp_group) / self.dp
+        loss = _sum_over(loss.detach().clone(), self.pp_group, over=self.schedule.n_ranks > 1)
+        loss = _sum_over(loss, self.dp_group, over=self.dp > 1) / self.dp
         lr = optim.find_state(opt_state, optim.ScaleByLearningRateState)
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr.lr if lr is not None else torch.zeros(())}
         return params_local, opt_state, metrics
@@ -450,9 +449,9 @@ def _device(held: dict) -> torch.device:
     return next((t.device for p in held.values() for t in p.values()), torch.device("cpu"))
 
 
-def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
-    """``x`` summed over ``group`` in place (unchanged when ``group`` is None)."""
-    if group is not None:
+def _sum_over(x: torch.Tensor, group, *, over: bool) -> torch.Tensor:
+    """``x`` summed in place over ``group`` (None: the default group) when ``over``."""
+    if over:
         dist.all_reduce(x, group=group)
     return x
 
@@ -473,19 +472,17 @@ def _all_reduce_mean(tree: PyTree, n: int, group) -> PyTree:
     return tree_unflatten(treedef, out)
 
 
-def global_grad_norm(grads: PyTree, pp_group) -> torch.Tensor:
+def global_grad_norm(grads: PyTree, pp_group, *, over: bool = True) -> torch.Tensor:
     """The L2 norm of the gradients of every stage: local sums of squares added over ``pp``.
 
     Gradients are already averaged over ``dp`` (the replicas agree), so the sum over the
     ``pp`` group is the sum over the whole model, as one device computes it.
 
-        norm = global_grad_norm(grads_local, pp_group)
+        norm = global_grad_norm(grads_local, pp_group)   # over=False on a one-rank pipeline
     """
     leaves = [t for _, t in flatten_with_paths(grads)]
     sq = torch.stack([torch.sum(torch.square(t.to(torch.float32))) for t in leaves]).sum() if leaves else torch.zeros(())
-    if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
-    return torch.sqrt(sq)
+    return torch.sqrt(_sum_over(sq, pp_group, over=over))
 
 
 def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer: optim.GradientTransformation | None = None,
