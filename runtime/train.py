@@ -144,6 +144,8 @@ def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTr
         step = build_step(cfg, llama, opt, params, opt.init(params))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
+    if cfg.mesh.pp > 1:
+        return _pipeline_step(cfg, model, params)
     if cfg.mesh.world_size > 1:
         from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
 
@@ -152,6 +154,23 @@ def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTr
     if cfg.train.compile:
         step = torch.compile(step)
     return step
+
+
+def _pipeline_step(cfg, model, params: PyTree) -> StepFn:
+    """The pipeline step of this rank with the loop's contract: the first call takes the full
+    initial tree and keeps only this rank's stages (and their optimizer state); later calls
+    thread those local trees."""
+    from shardfn.runtime.executor import build_pipeline_step
+
+    step = build_pipeline_step(cfg, model, params)
+
+    def run(params, opt_state, batch):
+        if not (isinstance(params, dict) and params and all(k.startswith("stage") for k in params)):
+            params = step.scatter(params)
+            opt_state = step.optimizer.init(params)
+        return step(params, opt_state, batch)
+
+    return run
 
 
 # ----------------------------------------------------------------------------- checkpoints
