@@ -43,13 +43,13 @@ from shardfn.partition.trace import Traced
 
 aten = torch.ops.aten
 
-_TIE_ROUNDS = 3        # neighbourhood radius (in graph hops) that must match for two nodes to tie
+_TIE_ROUNDS = 2        # neighbourhood radius (in graph hops) that must match for two nodes to tie
 _MEMORY_ROUNDS = 8     # at most this many memory cuts are added after the first solve
 _US = 1e6              # the ILP's objective is in microseconds (keeps HiGHS' tolerances sane)
 _GIB = float(1 << 30)  # and its memory rows in GiB
 _DISP = False
+_TIE_BREAK = 1e-3     # seconds per second-of-HBM-traffic of each input's bytes held
 _GAP = 1e-3           # HiGHS stops when the plan is within 0.1% of the best possible
-_SMALL_TABLE = 10**9   # edges with at most this many placement pairs keep all of them
 
 
 class Cost(NamedTuple):
@@ -92,8 +92,9 @@ class _Problem:
         t0 = time.perf_counter()
         self.traced = traced
         self.mesh = mesh
-        self.names = tuple(mesh.names)
-        self.mesh_shape = tuple(mesh.shape)
+        # DTensor placements are over the device mesh's dims (size-1 axes have none)
+        self.names = tuple(getattr(mesh, "dims", mesh.names))
+        self.mesh_shape = tuple(mesh.axes[a] for a in self.names)
         self.dmesh = mesh.device_mesh
         self.model = CostModel(self.mesh_shape, hardware)
         gm = traced.graph_module
@@ -105,8 +106,6 @@ class _Problem:
         self._by_ids: dict = {}
         self._tables: dict = {}
         self._cache: dict = {}
-        self._pairs: dict = {}
-        self._debug: list = []
         self._analyse()
         self._tie(tie_layers)
         self._build()
@@ -120,6 +119,9 @@ class _Problem:
         if pl and isinstance(pl[0], (tuple, type(None))):
             return self._intern(tuple(self._norm(p) for p in pl))
         return self._intern(tuple(Replicate() if size == 1 else p for p, size in zip(pl, self.mesh_shape)))
+
+    def _placements(self, spec, ndim: int, *, where: str) -> tuple:
+        return to_placements(spec, ndim, self.names, where=where, known=tuple(self.mesh.names))
 
     def _intern(self, value):
         """One object per distinct placement tuple (and per tuple of them), so that the hot
@@ -235,7 +237,9 @@ class _Problem:
         val = self.val[i]
         if n.op == "placeholder":
             opts = [self._intern(p) for p in strategies.placement_options(val.shape, self.mesh_shape)]
-            return self._intern(tuple(strategies.Strategy(p, ()) for p in opts)), np.zeros(len(opts))
+            # a tie-breaker: among plans of equal time, store inputs in fewer bytes per rank
+            hold = np.array([self.model.local_bytes(val, p) for p in opts]) / self.model.hardware.hbm_bandwidth
+            return self._intern(tuple(strategies.Strategy(p, ()) for p in opts)), _TIE_BREAK * hold
         target = n.target
         if n.op == "get_attr" or not self.inputs[i]:
             out = replicated if isinstance(val, torch.Tensor) else tuple(replicated if isinstance(v, torch.Tensor) else None for v in val)
@@ -247,7 +251,7 @@ class _Problem:
         if target is torch.ops.shardfn.constrain.default:
             from shardfn.partition.constrain import decode_spec
 
-            pl = self._norm(to_placements(decode_spec(n.args[1]), val.ndim, self.names, where=f"sf.constrain at {n.name}"))
+            pl = self._norm(self._placements(decode_spec(n.args[1]), val.ndim, where=f"sf.constrain at {n.name}"))
             found = (strategies.Strategy(pl, (pl,)),)
         elif target is torch.ops.shardfn.pipeline_split.default:
             found = tuple(strategies.Strategy(p, (p,)) for p in self.opts[self.inputs[i][0]])
@@ -328,7 +332,7 @@ class _Problem:
         xs = [self.val[self.index[a]] for a in n.args[0]]
 
         def pls(specs, vals):
-            return [self._norm(to_placements(s, v.ndim, self.names, where=f"sf.local_map at {n.name}")) for s, v in zip(specs, vals)]
+            return [self._norm(self._placements(s, v.ndim, where=f"sf.local_map at {n.name}")) for s, v in zip(specs, vals)]
 
         if n.target is torch.ops.shardfn.local_region.default:
             ins = pls(reg.in_leaf_specs, xs)
@@ -337,10 +341,10 @@ class _Problem:
         outs_v = [self.val[self.index[a]] for a in n.args[1]]
         gs_v = [self.val[self.index[a]] for a in n.args[2]]
         ins = pls(reg.in_leaf_specs, xs) + pls(reg.out_leaf_specs, outs_v) + pls(reg.out_leaf_specs, gs_v)
-        varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes()}
+        varying = {self.names.index(a) for s in reg.in_leaf_specs for a in s.axes() if a in self.names}
         grads = []
         for spec, v in zip(reg.in_leaf_specs, xs):
-            pl = list(to_placements(spec, v.ndim, self.names, where="sf.local_map cotangent"))
+            pl = list(self._placements(spec, v.ndim, where="sf.local_map cotangent"))
             grads.append(self._norm(tuple(Partial() if d in varying and isinstance(p, Replicate) else p for d, p in enumerate(pl))))
         return strategies.Strategy(tuple(grads), tuple(ins))
 
@@ -445,8 +449,7 @@ class _Problem:
                 continue
             # transport: y[a, b] >= 0 with rows summing to the producer's choice and columns to
             # the consumer's; only finite pairs get a variable
-            finite = np.argwhere(np.isfinite(table) & self._allowed(src_opts, dst_opts))
-            self._debug.append((u, cu, cv, mult, len(src_opts), len(dst_opts), len(finite)))
+            finite = np.argwhere(np.isfinite(table))
             ids = n_x + n_y + np.arange(len(finite))
             y_cost.extend(table[finite[:, 0], finite[:, 1]].tolist())
             n_y += len(finite)
@@ -474,21 +477,6 @@ class _Problem:
         self.rhs = np.zeros(n_rows)
         self.rhs[: self.n_onehot] = 1.0
         self._liveness()
-
-    def _allowed(self, src_opts: tuple, dst_opts: tuple) -> np.ndarray:
-        """Which (producer, consumer) placement pairs an edge may use: all of them for small
-        tables; for large ones, moves that change one mesh dim, or that start or end
-        replicated (every consumer has an all-replicated strategy, so a plan always exists)."""
-        if len(src_opts) * len(dst_opts) <= _SMALL_TABLE:
-            return np.ones((len(src_opts), len(dst_opts)), dtype=bool)
-        key = (id(src_opts), id(dst_opts))
-        hit = self._pairs.get(key)
-        if hit is None:
-            rep = (Replicate(),) * len(self.mesh_shape)
-            hit = np.array([[a == rep or b == rep or sum(x != y for x, y in zip(a, b)) <= 1 for b in dst_opts]
-                            for a in src_opts], dtype=bool)
-            self._pairs[key] = hit
-        return hit
 
     def _table(self, val, src_opts: tuple, dst_opts: tuple) -> np.ndarray:
         """Transition seconds from each producer option to each consumer need."""
@@ -613,7 +601,7 @@ class _Problem:
                 continue
             i = self.index[ph]
             c = self.cls[i]
-            want = self._norm(to_placements(spec, self.val[i].ndim, self.names, where=f"fixed_specs for input {path!r}"))
+            want = self._norm(self._placements(spec, self.val[i].ndim, where=f"fixed_specs for input {path!r}"))
             allowed = [s.out == want for s in self.strats[i]]
             if not any(allowed):
                 raise ValueError(
@@ -769,6 +757,7 @@ class AutoResult:
     status: str
     stats: dict
     mesh_axes: dict
+    mesh_dims: tuple
     hardware: str
     memory_budget: float | None
     arg_names: tuple | None = None
@@ -787,7 +776,7 @@ class AutoResult:
     def collectives(self) -> list[dict]:
         """The collectives the plan implies, per step per rank, as ``comm_report()`` rows."""
         total: dict = {}
-        names = list(self.mesh_axes)
+        names = list(self.mesh_dims)
         for r in self.reshards:
             for op, dim, size in r.transition.collectives:
                 acc = total.setdefault((op, names[dim]), [0, 0])
@@ -966,7 +955,7 @@ def _result(prob: _Problem, sol: _Solution, hw: Hardware, budget, arg_names, tim
         "constraints": prob.n_rows, "memory_cuts": sol.n_cuts, "build_s": prob.build_s, "solve_s": sol.solve_s,
     }
     return AutoResult(in_specs, out_specs, placements, moves, cost, sol.status, stats, dict(prob.mesh.axes),
-                      hw.name, budget, arg_names, prob, sol.choice, time_limit_s)
+                      prob.names, hw.name, budget, arg_names, prob, sol.choice, time_limit_s)
 
 
 def apply(traced: Traced, result: AutoResult) -> list:
@@ -1036,9 +1025,8 @@ def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None
         traced = trace(fn, tuple(args))
     result = solve(traced, mesh, arg_names=arg_names, **solve_kwargs)
     in_specs = apply(traced, result)
-    names = mesh.names
-    in_pl = [to_placements(s, m.ndim, names) for s, m in zip(in_specs, traced.in_meta)]
-    out_pl = [to_placements(s, m.ndim, names) for s, m in zip(result.out_specs, traced.out_meta)]
+    in_pl = [result._problem._placements(s, m.ndim, where="input") for s, m in zip(in_specs, traced.in_meta)]
+    out_pl = [result._problem._placements(s, m.ndim, where="output") for s, m in zip(result.out_specs, traced.out_meta)]
     lowered = lower(traced, mesh, in_pl, out_pl)
     roles = [arg_names[i] if arg_names else f"arg{i}" for i in _arg_index_of_leaves(tuple(args))]
     return LoweredStep(traced, lowered, mesh, in_specs, list(result.out_specs), roles), result
@@ -1098,7 +1086,7 @@ def presets(mesh, args: tuple, param_axes: Any, *, params_argnum: int = 0, batch
         pspecs = specs_from_rules(param_axes, {k: v for k, v in rules.items() if k != "batch"}, mesh.axes)
         target = rules.get("batch")
         names = [target] if isinstance(target, str) else list(target or [])
-        bspec = P(tuple(names)) if len(names) > 1 else P(names[0] if names else None)
+        bspec = P(tuple(names)) if len(names) > 1 else (P(names[0]) if names else P())
         specs = []
         for i, a in enumerate(args):
             if i == params_argnum % n:

@@ -193,7 +193,9 @@ class CostModel:
         """The cost of redistributing ``val`` from placements ``src`` to ``dst``.
 
         Mesh dims are handled in the order that keeps buffers small: local slices and
-        reduce-scatters first, then all-to-alls, all-reduces, and all-gathers last. Returns a
+        reduce-scatters first (major mesh dim first), then all-to-alls, all-reduces, and
+        all-gathers last (minor mesh dim first: a dim split over several mesh dims is
+        reassembled from the inside out, as DTensor does). Returns a
         Transition with infinite comm for an impossible move (between different kinds of
         partial sums).
         """
@@ -215,18 +217,19 @@ class CostModel:
             if isinstance(a, Partial) and isinstance(b, Partial):
                 return Transition(INFEASIBLE, 0.0, ())
             if isinstance(b, Partial):  # R -> P is local; S -> P gathers first
-                steps.append((3, d, "all_gather" if isinstance(a, Shard) else "local"))
+                steps.append((3, -d, "all_gather" if isinstance(a, Shard) else "local"))
             elif isinstance(a, Partial):
                 steps.append((0 if isinstance(b, Shard) else 2, d, "reduce_scatter" if isinstance(b, Shard) else "all_reduce"))
             elif isinstance(a, Shard) and isinstance(b, Shard):
                 steps.append((1, d, "all_to_all"))
             elif isinstance(a, Shard):
-                steps.append((3, d, "all_gather"))
+                steps.append((3, -d, "all_gather"))
             else:
                 steps.append((0, d, "slice"))
         comm = reshard = 0.0
         done = []
         for _, d, kind in sorted(steps):
+            d = abs(d)
             n = self.mesh_shape[d]
             size = nbytes(shape, val.dtype)
             a, b = src[d], dst[d]
