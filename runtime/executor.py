@@ -59,34 +59,6 @@ class RunResult:
     peak_saved_bytes: int = 0
 
 
-class _RankState:
-    """Values in flight on one rank during a schedule run, keyed by ``(stage, microbatch)``."""
-
-    def __init__(self):
-        self.envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.acts: dict[tuple[int, int], torch.Tensor] = {}   # stage output, for SEND_F or the next local stage
-        self.cots: dict[tuple[int, int], torch.Tensor] = {}   # stage input gradient, for SEND_B or local
-        self.recv_x: dict[tuple[int, int], torch.Tensor] = {}
-        self.recv_dy: dict[tuple[int, int], torch.Tensor] = {}
-        self.pending_sends: list = []  # (work, tensor) of sends posted but not known to be done
-
-    def held_bytes(self, param_ptrs: set[int]) -> int:
-        seen, total = set(), 0
-        pools = [self.acts, self.cots, self.recv_x, self.recv_dy] + list(self.envs.values())
-        sending = {i: t for i, (_, t) in enumerate(self.pending_sends)}
-        for pool in pools + [sending]:
-            for v in pool.values():
-                if not isinstance(v, torch.Tensor):
-                    continue
-                st = v.untyped_storage()
-                ptr = st.data_ptr()
-                if ptr in seen or ptr in param_ptrs:
-                    continue
-                seen.add(ptr)
-                total += st.nbytes()
-        return total
-
-
 def _check_fit(pipe: Pipeline, schedule: Schedule) -> None:
     if pipe.n_stages != schedule.n_stages:
         raise ValueError(
@@ -97,12 +69,134 @@ def _check_fit(pipe: Pipeline, schedule: Schedule) -> None:
 
 
 def _tag(sender_stage: int, backward: bool, mb: int, n_mb: int) -> int:
+    """One tag per message: the sending stage, the direction and the microbatch."""
     return (2 * sender_stage + int(backward)) * n_mb + mb
 
 
 def _keep(env: dict, names: set[str]) -> None:
     for k in [k for k in env if k not in names]:
         del env[k]
+
+
+class _Rank:
+    """One rank's state during a schedule run: value envs, in-flight tensors and gradient sums,
+    all keyed by ``(stage, microbatch)``; one method per action kind."""
+
+    def __init__(self, pipe: Pipeline, schedule: Schedule, pp_rank: int, params, microbatches, group):
+        self.stages, self.s2r, self.rank = pipe.stages, schedule.stage_to_rank, pp_rank
+        self.params, self.microbatches, self.group = params, microbatches, group
+        self.m = schedule.n_microbatches
+        self.device = next((t.device for p in params.values() for t in p.values()), torch.device("cpu"))
+        self.seed_dy = torch.full((), 1.0 / self.m, dtype=self.stages[-1].out_spec.dtype, device=self.device)
+        self.envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.acts: dict[tuple[int, int], torch.Tensor] = {}    # stage outputs, for SEND_F or the next local stage
+        self.cots: dict[tuple[int, int], torch.Tensor] = {}    # input gradients, for SEND_B or the previous local stage
+        self.recv_x: dict[tuple[int, int], torch.Tensor] = {}
+        self.recv_dy: dict[tuple[int, int], torch.Tensor] = {}
+        self.pending_sends: list = []  # (work, tensor) of sends posted but not known to be done
+        self.grads: dict[int, dict[str, torch.Tensor]] = {s: {} for s in schedule.stages_of(pp_rank)}
+        self.losses: list[torch.Tensor] = []
+        self.param_ptrs = {t.untyped_storage().data_ptr() for p in params.values() for t in p.values()}
+
+    def local(self, stage: int) -> bool:
+        return self.s2r[stage] == self.rank
+
+    def F(self, a: Action) -> None:
+        st, key = self.stages[a.stage], (a.stage, a.microbatch)
+        x = None
+        if st.in_spec is not None:
+            x = self.acts.pop((a.stage - 1, a.microbatch)) if self.local(a.stage - 1) else self.recv_x.pop(key)
+        env = st.inputs_env(self.params[a.stage], x, self.microbatches[a.microbatch])
+        st.F.run(env)
+        y = env[st.y_name]
+        if st.is_last:
+            self.losses.append(y.detach())
+        else:
+            self.acts[key] = y
+        _keep(env, set(st.I.inputs) | set(st.W.inputs))
+        self.envs[key] = env
+
+    def I(self, a: Action) -> None:  # noqa: E743 (the schedule's name for it)
+        st, key = self.stages[a.stage], (a.stage, a.microbatch)
+        env = self.envs[key]
+        if st.is_last:
+            env["dy"] = self.seed_dy
+        elif self.local(a.stage + 1):
+            env["dy"] = self.cots.pop((a.stage + 1, a.microbatch))
+        else:
+            env["dy"] = self.recv_dy.pop(key)
+        st.I.run(env)
+        if st.dx_name is not None:
+            self.cots[key] = env[st.dx_name]
+        _keep(env, set(st.W.inputs))
+
+    def W(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        env = self.envs.pop((a.stage, a.microbatch))
+        st.W.run(env)
+        acc = self.grads[a.stage]
+        for path, name in zip(st.param_paths, st.grad_names):
+            if path in acc:
+                acc[path].add_(env[name])
+            else:
+                acc[path] = env[name].clone()  # W's result may be a view of a live tensor (the loss seed, say)
+
+    def B(self, a: Action) -> None:
+        self.I(a)
+        self.W(a)
+
+    def communicate(self, batch: tuple[Action, ...]) -> None:
+        """Post ``batch`` as one ``batch_isend_irecv``; wait for its receives, not its sends."""
+        ops, recvs = [], []
+        for a in batch:
+            key, mb = (a.stage, a.microbatch), a.microbatch
+            if a.kind == "SEND_F":
+                t, tag, op = self.acts.pop(key).contiguous(), _tag(a.stage, False, mb, self.m), dist.isend
+            elif a.kind == "SEND_B":
+                t, tag, op = self.cots.pop(key).contiguous(), _tag(a.stage, True, mb, self.m), dist.isend
+            elif a.kind == "RECV_F":
+                t, tag, op = self.stages[a.stage].in_spec.empty(self.device), _tag(a.stage - 1, False, mb, self.m), dist.irecv
+                recvs.append((self.recv_x, key, t))
+            else:  # RECV_B
+                t, tag, op = self.stages[a.stage].out_spec.empty(self.device), _tag(a.stage + 1, True, mb, self.m), dist.irecv
+                recvs.append((self.recv_dy, key, t))
+            ops.append(dist.P2POp(op, t, group=self.group, group_peer=a.peer, tag=tag))
+        # Receives complete before the next step (the schedule's blocking-batch semantics); a send
+        # is only waited on once its rank needs nothing more from it (see docs/pipeline.md).
+        for p2p, work in zip(ops, dist.batch_isend_irecv(ops)):
+            if p2p.op is dist.isend:
+                self.pending_sends.append((work, p2p.tensor))
+            else:
+                work.wait()
+        for pool, key, t in recvs:
+            pool[key] = t
+        self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
+
+    def finish(self) -> torch.Tensor | None:
+        """Wait for the sends; the mean loss of the last stage's microbatches (None off that stage)."""
+        for work, _ in self.pending_sends:
+            work.wait()
+        self.pending_sends = []
+        if self.envs:
+            raise RuntimeError(f"rank {self.rank}: the schedule left (stage, microbatch) {sorted(self.envs)} "
+                               f"without a W or B")
+        return torch.stack(self.losses).sum() / self.m if self.losses else None
+
+    def held_bytes(self) -> int:
+        """Bytes of distinct storages held for later actions (parameters excluded)."""
+        seen, total = set(), 0
+        pools = [self.acts, self.cots, self.recv_x, self.recv_dy, *self.envs.values(),
+                 {i: t for i, (_, t) in enumerate(self.pending_sends)}]
+        for pool in pools:
+            for v in pool.values():
+                if not isinstance(v, torch.Tensor):
+                    continue
+                storage = v.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in seen and ptr not in self.param_ptrs:
+                    seen.add(ptr)
+                    total += storage.nbytes()
+        return total
 
 
 def run_schedule(
@@ -133,132 +227,36 @@ def run_schedule(
     _check_fit(pipe, schedule)
     if schedule.n_ranks > 1 and not schedule.has_communication:
         schedule = add_communication(schedule)
-    m = schedule.n_microbatches
-    if len(microbatches) != m:
-        raise ValueError(f"the schedule runs {m} microbatches but {len(microbatches)} were given")
+    if len(microbatches) != schedule.n_microbatches:
+        raise ValueError(f"the schedule runs {schedule.n_microbatches} microbatches but {len(microbatches)} were given")
     mine = schedule.stages_of(pp_rank)
-    missing = [s for s in mine if s not in params]
-    if missing:
+    if any(s not in params for s in mine):
         raise ValueError(f"rank {pp_rank} runs stages {list(mine)} but holds parameters for {sorted(params)}")
-    stages = pipe.stages
-    unsplit = [s for s in mine if stages[s].F is None]
+    unsplit = [s for s in mine if pipe.stages[s].F is None]
     if unsplit:
         raise ValueError(f"stages {unsplit} have no F/I/W programs; build the pipeline with split=None or "
                          f"split=schedule.stages_of({pp_rank})")
-    state = _RankState()
-    grads: dict[int, dict[str, torch.Tensor]] = {s: {} for s in mine}
-    losses: list[torch.Tensor] = []
-    events: list[dict] = []
-    param_ptrs = {t.untyped_storage().data_ptr() for p in params.values() for t in p.values()}
-    peak = 0
-    device = next((t.device for p in params.values() for t in p.values()), torch.device("cpu"))
-    seed_dy = torch.full((), 1.0 / m, dtype=stages[-1].out_spec.dtype, device=device)
-    s2r = schedule.stage_to_rank
-    rank_id = dist.get_rank() if dist.is_initialized() else pp_rank
-
-    def forward(a: Action) -> None:
-        st = stages[a.stage]
-        key = (a.stage, a.microbatch)
-        x = None
-        if st.in_spec is not None:
-            x = state.recv_x.pop(key) if s2r[a.stage - 1] != pp_rank else state.acts.pop((a.stage - 1, a.microbatch))
-        env = st.inputs_env(params[a.stage], x, microbatches[a.microbatch])
-        st.F.run(env)
-        y = env[st.y_name]
-        if st.is_last:
-            losses.append(y.detach())
-        else:
-            state.acts[key] = y
-        _keep(env, set(st.I.inputs) | set(st.W.inputs))
-        state.envs[key] = env
-
-    def backward_input(a: Action) -> None:
-        st = stages[a.stage]
-        key = (a.stage, a.microbatch)
-        env = state.envs[key]
-        if st.is_last:
-            dy = seed_dy
-        elif s2r[a.stage + 1] != pp_rank:
-            dy = state.recv_dy.pop(key)
-        else:
-            dy = state.cots.pop((a.stage + 1, a.microbatch))
-        env["dy"] = dy
-        st.I.run(env)
-        if st.dx_name is not None:
-            state.cots[key] = env[st.dx_name]
-        _keep(env, set(st.W.inputs))
-
-    def backward_weight(a: Action) -> None:
-        st = stages[a.stage]
-        env = state.envs.pop((a.stage, a.microbatch))
-        st.W.run(env)
-        acc = grads[a.stage]
-        for path, name in zip(st.param_paths, st.grad_names):
-            g = env[name]
-            if path in acc:
-                acc[path].add_(g)
-            else:
-                acc[path] = g.clone()  # W's result may be a view of a live tensor (the loss seed, say)
-
-    def communicate(batch: tuple[Action, ...]) -> None:
-        ops, recvs = [], []
-        for a in batch:
-            key = (a.stage, a.microbatch)
-            if a.kind == "SEND_F":
-                t, tag = state.acts.pop(key).contiguous(), _tag(a.stage, False, a.microbatch, m)
-                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=a.peer, tag=tag))
-            elif a.kind == "SEND_B":
-                t, tag = state.cots.pop(key).contiguous(), _tag(a.stage, True, a.microbatch, m)
-                ops.append(dist.P2POp(dist.isend, t, group=group, group_peer=a.peer, tag=tag))
-            elif a.kind == "RECV_F":
-                t = stages[a.stage].in_spec.empty(device)
-                ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=a.peer,
-                                      tag=_tag(a.stage - 1, False, a.microbatch, m)))
-                recvs.append((state.recv_x, key, t))
-            else:  # RECV_B
-                t = stages[a.stage].out_spec.empty(device)
-                ops.append(dist.P2POp(dist.irecv, t, group=group, group_peer=a.peer,
-                                      tag=_tag(a.stage + 1, True, a.microbatch, m)))
-                recvs.append((state.recv_dy, key, t))
-        works = dist.batch_isend_irecv(ops)
-        # Receives complete before the next step (the schedule's blocking-batch semantics); a
-        # send is only waited on once its rank needs nothing more from it (see docs/pipeline.md).
-        for op, work in zip(ops, works):
-            if op.op is dist.isend:
-                state.pending_sends.append((work, op.tensor))
-            else:
-                work.wait()
-        for pool, key, t in recvs:
-            pool[key] = t
-        state.pending_sends = [(w, t) for w, t in state.pending_sends if not w.is_completed()]
-
-    run = {"F": forward, "I": backward_input, "W": backward_weight,
-           "B": lambda a: (backward_input(a), backward_weight(a))}
+    rank = _Rank(pipe, schedule, pp_rank, params, microbatches, group)
+    global_rank = dist.get_rank() if dist.is_initialized() else pp_rank
+    events, peak = [], 0
     with torch.no_grad():
         for step in group_steps(schedule.actions[pp_rank]):
+            a = step[0]
             t0 = time.perf_counter_ns() if record else 0
-            if step[0].is_comm:
-                communicate(step)
+            if a.is_comm:
+                rank.communicate(step)
+            elif a.stage not in mine:
+                raise ValueError(f"rank {pp_rank} was given {a}, but stage {a.stage} lives on rank "
+                                 f"{schedule.stage_to_rank[a.stage]}")
             else:
-                a = step[0]
-                if a.stage not in mine:
-                    raise ValueError(f"rank {pp_rank} was given {a}, but stage {a.stage} lives on rank {s2r[a.stage]}")
-                run[a.kind](a)
+                getattr(rank, a.kind)(a)
             if record:
-                t1 = time.perf_counter_ns()
-                a = step[0]
-                kind = "P2P" if a.is_comm else a.kind
-                name = "+".join(b.cell for b in step)
-                events.append({"name": name, "kind": kind, "stage": a.stage, "mb": a.microbatch,
-                               "start_ns": t0, "end_ns": t1, "rank": rank_id})
-                peak = max(peak, state.held_bytes(param_ptrs))
-    for work, _ in state.pending_sends:
-        work.wait()
-    leftover = [k for k in state.envs]
-    if leftover:
-        raise RuntimeError(f"rank {pp_rank}: the schedule left (stage, microbatch) {leftover} without a W or B")
-    loss = torch.stack(losses).sum() / m if losses else None
-    return RunResult(loss, grads, events, peak)
+                events.append({"name": "+".join(b.cell for b in step), "kind": "P2P" if a.is_comm else a.kind,
+                               "stage": a.stage, "mb": a.microbatch, "start_ns": t0,
+                               "end_ns": time.perf_counter_ns(), "rank": global_rank})
+                peak = max(peak, rank.held_bytes())
+    loss = rank.finish()
+    return RunResult(loss, rank.grads, events, peak)
 
 
 # ----------------------------------------------------------------------------- batches
