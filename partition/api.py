@@ -107,7 +107,7 @@ def _to_local(x: torch.Tensor, mesh: Mesh, placements, path: str) -> torch.Tenso
 class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
-    def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names):
+    def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None):
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs
@@ -116,6 +116,7 @@ class Jitted:
         self.fsdp_axes = tuple(fsdp_axes)
         self.backend = backend
         self.arg_names = arg_names
+        self.memory_budget = memory_budget
         self._cache: dict[Any, LoweredStep] = {}
 
     def lower(self, *args) -> LoweredStep:
@@ -123,8 +124,15 @@ class Jitted:
         key = _signature(args)
         if key in self._cache:
             return self._cache[key]
-        if self.in_specs is AUTO:
-            raise NotImplementedError("in_specs=sf.AUTO needs the auto-sharding solver (shardfn.partition.auto)")
+        if _has_auto(self.in_specs):
+            from shardfn.partition import auto
+
+            fixed = None if self.in_specs is AUTO else self.in_specs
+            step, result = auto.jit_auto(self.fn, self.mesh, args, arg_names=self.arg_names,
+                                         fixed_specs=fixed, memory_budget=self.memory_budget)
+            step.auto = result  # the solver's choice: .to_rules_yaml(), .comparison_table(...)
+            self._cache[key] = step
+            return step
         with mesh_scope(self.mesh):
             traced = trace(self.fn, args)
         in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
@@ -163,6 +171,7 @@ def jit(
     fsdp_axes: Sequence[str] = ("fsdp",),
     backend: str | None = "inductor",
     arg_names: Sequence[str] | None = None,
+    memory_budget: float | None = None,
 ) -> Jitted:
     """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
 
@@ -175,12 +184,20 @@ def jit(
             (ZeRO-3); typically ``(0,)`` for the parameters of a train step.
         backend: the torch.compile backend for the per-rank program; None runs it uncompiled.
         arg_names: names of the arguments, used by reports (``("params", "opt_state", "batch")``).
+        memory_budget: bytes per rank the auto-sharder must fit (``in_specs=sf.AUTO``, or AUTO
+            leaves in it); default the hardware profile's device memory.
 
     Example:
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
         loss = step(w, x)
     """
-    return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names)
+    return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget)
+
+
+def _has_auto(specs: Any) -> bool:
+    from shardfn.partition.spec import is_spec
+
+    return any(s is AUTO for s in optree.tree_leaves(specs, is_leaf=is_spec, none_is_leaf=True))
 
 
 def _signature(args) -> tuple:

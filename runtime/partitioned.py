@@ -72,9 +72,12 @@ def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend:
     if backend == "default":
         backend = "inductor" if cfg.train.compile else None
     fsdp = (0,) if mesh.axes.get("fsdp", 1) > 1 else ()
+    in_specs = (specs["params"], specs["opt_state"], specs["batch"])
+    if cfg.partition.auto:  # the solver chooses params and optimizer state; the batch stays split
+        in_specs = (sf.AUTO, sf.AUTO, specs["batch"])
     jitted = sf.jit(
         step, mesh,
-        in_specs=(specs["params"], specs["opt_state"], specs["batch"]),
+        in_specs=in_specs, memory_budget=cfg.partition.memory_budget,
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
     )
