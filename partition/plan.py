@@ -1183,7 +1183,7 @@ class SearchResult:
     refused: list
     not_planned: int
     seconds: float
-    traced_meshes: int
+    traced_profiles: int
 
     def to_list(self) -> list[dict]:
         """The fitting plans as JSON objects, fastest first (``shardfn plan --search --json``)."""
@@ -1385,13 +1385,13 @@ def format_search(result: SearchResult) -> str:
     lines = [f"layouts on {result.gpus} devices that fit, fastest first", head]
     for i, p in enumerate(result.plans, 1):
         lines.append(f"{i:>3}  {p.layout.describe():<58}{_gib(p.per_rank['peak_bytes']):>12}"
-                     f"{p.time['step_s']:>11.3f}{p.time['mfu']:>8.1%}{p.time['tokens_per_s']:>14,.0f}")
+                     f"{p.time['step_s']:>11.4g}{p.time['mfu']:>8.1%}{p.time['tokens_per_s']:>14,.0f}")
     if not result.plans:
         lines.append("  (none: every valid layout exceeds the device memory)")
     lines.append("")
     lines.append(f"{len(result.too_big)} layouts do not fit, {result.not_planned} were not planned "
                  f"(a lower bound on their step time is slower than the layouts above); "
-                 f"{result.traced_meshes} meshes traced in {result.seconds:.1f} s")
+                 f"{result.traced_profiles} profiles (mesh, microbatch size) planned in {result.seconds:.1f} s")
     for key, n in sorted(result.refused_by_key().items()):
         example = next(r["reason"] for r in result.refused if r["key"] == key)
         lines.append(f"refused {n} layouts on {key}, e.g. {example}")

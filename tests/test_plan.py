@@ -1,0 +1,237 @@
+"""The planner: exact bytes per rank against closed forms for the published 671B and 1T models,
+refusals that name the config key, per-layer scaling against a whole-model trace, and a plan
+that agrees with what a real run on gloo ranks measures."""
+
+import json
+
+import pytest
+
+from shardfn.core.config import load_config
+from shardfn.partition import plan as pl
+from shardfn.partition.plan import Layout, PlanError
+
+F32 = 4
+# Optimizer scalars: AdamW's and the schedule's int32 step counters, the learning rate and the
+# clipped global norm (fp32): 4 x 4 bytes, replicated on every rank.
+OPT_SCALARS = 16
+
+
+# ------------------------------------------------------------------ closed forms from the published dims
+
+DEEPSEEK_V3 = dict(V=129280, D=7168, L=61, dense=3, H=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,
+                   F=18432, E=256, Fe=2048, shared=1)
+KIMI_K2 = dict(V=163840, D=7168, L=61, dense=1, H=64, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128,
+               F=18432, E=384, Fe=2048, shared=1)
+
+
+def layer_params(d, *, tp, fsdp, ep, moe):
+    """Elements of one layer on one rank: the `embed` dim split by fsdp, heads / ffn / expert ffn
+    dims by tp, experts by ep (the default rules); norms, router bias, LoRA dims whole."""
+    D, H = d["D"], d["H"]
+    attn = (D // fsdp * d["q_lora"]                          # wq_a [D, q_lora]
+            + d["q_lora"]                                    # q_norm
+            + d["q_lora"] * (H * (d["nope"] + d["rope"]) // tp)  # wq_b [q_lora, H*(nope+rope)]
+            + D // fsdp * (d["kv_lora"] + d["rope"])         # wkv_a [D, kv_lora+rope]
+            + d["kv_lora"]                                   # kv_norm
+            + d["kv_lora"] * (H * (d["nope"] + d["v"]) // tp)   # wkv_b
+            + H * d["v"] // tp * (D // fsdp))                # wo [H*v, D]
+    norms = 2 * D
+    if not moe:
+        return attn + norms + 3 * (D // fsdp) * (d["F"] // tp)
+    experts = 3 * (d["E"] // ep) * (D // fsdp) * (d["Fe"] // tp)
+    shared = 3 * (D // fsdp) * (d["shared"] * d["Fe"] // tp)
+    router = D // fsdp * d["E"] + d["E"]                     # router [D, E], router_bias [E]
+    return attn + norms + experts + shared + router
+
+
+def rank_params(d, *, tp=1, fsdp=1, ep=1, dense, moe, first, last):
+    n = dense * layer_params(d, tp=tp, fsdp=fsdp, ep=ep, moe=False) + moe * layer_params(d, tp=tp, fsdp=fsdp, ep=ep, moe=True)
+    vocab = d["V"] // tp * (d["D"] // fsdp)                  # embed [V, D] and out [D, V]
+    return n + first * vocab + last * (vocab + d["D"])       # the last stage also holds the final norm
+
+
+# (config, layout, closed-form kwargs of pipeline rank 0)
+CASES = {
+    "deepseek-v3 ep64 dp2": ("deepseek_v3_671b", Layout(dp=2, ep=64),
+                             dict(ep=64, dense=3, moe=58, first=1, last=1)),
+    "deepseek-v3 pp16 ep64 dp2 1f1b": ("deepseek_v3_671b", Layout(pp=16, dp=2, ep=64, microbatches=40),
+                                       dict(ep=64, dense=3, moe=1, first=1, last=0)),  # 61 = 13 x 4 + 3 x 3 layers
+    "deepseek-v3 pp4 tp8 fsdp4 ep8": ("deepseek_v3_671b", Layout(pp=4, fsdp=4, ep=8, tp=8, microbatches=8),
+                                      dict(tp=8, fsdp=4, ep=8, dense=3, moe=13, first=1, last=0)),  # 16 layers
+    "kimi-k2 pp16x2 ep16 dp8 interleaved": ("kimi_k2_1t", Layout(pp=16, dp=8, ep=16, microbatches=32,
+                                                                 schedule="interleaved_1f1b"),
+                                            dict(ep=16, dense=1, moe=3, first=1, last=0)),  # stages 0 and 16: 2 + 2 layers
+    "kimi-k2 tp8 fsdp8 ep16": ("kimi_k2_1t", Layout(fsdp=8, ep=16, tp=8), dict(tp=8, fsdp=8, ep=16, dense=1, moe=60,
+                                                                                first=1, last=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_params_and_optimizer_bytes_match_closed_form(name):
+    config, layout, kw = CASES[name]
+    dims = DEEPSEEK_V3 if config.startswith("deepseek") else KIMI_K2
+    cfg = load_config(config)
+    rank0 = pl.memory_bytes(cfg, layout)[0]
+    expected = rank_params(dims, **kw) * F32
+    assert rank0["params"] == expected
+    assert rank0["grads"] == expected
+    assert rank0["opt_state"] == 2 * expected + OPT_SCALARS
+
+
+def test_bytes_over_all_ranks_add_up_to_the_model():
+    """Under pp x ep every parameter lives on exactly one (pp, ep) coordinate."""
+    from shardfn import models
+
+    cfg = load_config("kimi_k2_1t")
+    layout = Layout(pp=4, ep=16, dp=8, microbatches=4)
+    total = models.get("moe").param_counts(cfg.model)["total"] * F32
+    per_pp_rank = [r["params"] for r in pl.memory_bytes(cfg, layout)]
+    # routed experts are split 16 ways, everything else is replicated across ep
+    experts = 60 * 3 * 384 * 7168 * 2048 * F32
+    assert sum(per_pp_rank) == (total - experts) + experts // 16
+
+
+# ------------------------------------------------------------------ stages and schedules
+
+
+def test_stage_layers_are_contiguous_and_even():
+    assert pl.stage_layers(61, 16)[:2] == [(0, 4), (4, 8)]
+    assert pl.stage_layers(61, 16)[-1] == (58, 61)
+    assert sum(b - a for a, b in pl.stage_layers(61, 32)) == 61
+    with pytest.raises(ValueError):
+        pl.stage_layers(3, 4)
+
+
+def test_interleaved_ranks_hold_two_stages():
+    assert pl.rank_stages(Layout(pp=2, microbatches=4, schedule="interleaved_1f1b")) == [(0, 2), (1, 3)]
+    assert pl.rank_stages(Layout(pp=4, microbatches=8)) == [(0,), (1,), (2,), (3,)]
+
+
+# ------------------------------------------------------------------ refusals name the config key
+
+
+@pytest.mark.parametrize("layout,gpus,key,words", [
+    (Layout(ep=7), None, "mesh.ep", "model.n_experts = 384"),
+    (Layout(pp=62), None, "mesh.pp", "model.n_layers = 61"),
+    (Layout(tp=3), None, "mesh.tp", "model.n_heads = 64"),
+    (Layout(fsdp=3), None, "mesh.fsdp", "does not divide dim"),
+    (Layout(pp=16, ep=64), 2048, "mesh", "set mesh.dp=2"),
+    (Layout(pp=16, ep=16, dp=8, microbatches=7), None, "pipeline.microbatches", "per-rank batch"),
+    (Layout(dp=3), None, "train.batch_size", "dp*fsdp*ep"),
+    (Layout(pp=8, microbatches=4, schedule="dualpipe"), None, "pipeline.schedule", "valid:"),
+])
+def test_refusals_name_the_key(layout, gpus, key, words):
+    cfg = load_config("kimi_k2_1t")
+    with pytest.raises(PlanError) as err:
+        pl.check_layout(cfg, layout, gpus=gpus)
+    assert err.value.key == key
+    assert str(err.value).startswith(f"{key}: ") and words in str(err.value)
+
+
+@pytest.mark.parametrize("override,key,words", [("mesh.tp=3", "mesh.tp", "n_heads"), ("mesh.pp=62", "mesh.pp", "n_layers")])
+def test_cli_refusal_exits_2_naming_the_axis(override, key, words, capsys):
+    from shardfn import cli
+
+    assert cli.main(["plan", "--config", "kimi_k2_1t", override]) == 2
+    err = capsys.readouterr().err
+    assert f"shardfn plan: error: {key}: " in err and words in err
+
+
+# ------------------------------------------------------------------ traced quantities
+
+
+def test_scaled_trace_equals_whole_model_trace(clean_process_group):
+    """One and two traced layers, scaled to four, give the four-layer trace's numbers exactly."""
+    cfg = load_config("llama_tiny", ["model.n_layers=4", "mesh.dp=2", "mesh.tp=2", "train.batch_size=8",
+                                     "train.seq_len=16"])
+    full = pl.make_plan(cfg, full_trace=True, profiles=None)
+    scaled = pl.make_plan(cfg, full_trace=False, profiles=None)
+    assert scaled.trace["mode"] == "scaled" and len(scaled.trace["lowered"]) == 2
+    assert scaled.comm == full.comm
+    for key in ("params_bytes", "opt_state_bytes", "activation_bytes_per_microbatch"):
+        assert scaled.per_rank[key] == full.per_rank[key], key
+
+
+def test_plan_json_keys(clean_process_group):
+    cfg = load_config("llama_tiny", ["mesh.tp=2", "train.batch_size=4", "train.seq_len=16"])
+    out = pl.make_plan(cfg, hardware="cpu").to_dict()
+    assert json.loads(json.dumps(out)) == out
+    assert {"model", "layout", "batch", "params", "per_rank", "ranks", "comm", "comm_by_axis", "time",
+            "memory_capacity_bytes", "fits", "headroom_bytes", "trace", "notes"} <= set(out)
+    assert {"params_bytes", "grads_bytes", "opt_state_bytes", "activation_bytes_per_microbatch",
+            "activation_bytes_per_microbatch_checkpointed", "inflight_microbatches", "activation_bytes",
+            "transient_bytes", "peak_bytes"} <= set(out["per_rank"])
+    assert {"compute_s", "step_s", "mfu", "bubble", "tokens_per_s"} <= set(out["time"])
+    assert all({"op", "axis", "bytes", "count", "source"} == set(r) for r in out["comm"])
+    assert out["fits"] and 0 < out["time"]["mfu"] < 1
+
+
+def test_pipeline_plan_counts_p2p_and_inflight(clean_process_group):
+    cfg = load_config("llama_tiny", ["model.n_layers=4", "train.batch_size=8", "train.seq_len=16"])
+    plan = pl.make_plan(cfg, Layout(pp=2, microbatches=4), hardware="cpu")
+    first, last = plan.ranks
+    assert first["inflight_microbatches"] == 2 and last["inflight_microbatches"] == 1   # 1F1B: pp - rank
+    p2p = [r for r in plan.comm if r["op"] == "p2p"]
+    activation = 2 * 16 * 64 * F32                                   # [mb rows, seq, dim] fp32
+    assert p2p == [{"op": "p2p", "axis": "pp", "bytes": 4 * activation, "count": 4, "source": "schedule"}]
+    assert first["layer_counts"] == {"layers": 2} and last["comm_bytes"]["pp"] == 4 * activation
+
+
+def test_search_ranks_fitting_layouts_and_refuses_with_keys(clean_process_group):
+    cfg = load_config("llama_tiny", ["model.n_layers=1", "train.batch_size=8", "train.seq_len=16"])
+    found = pl.search(cfg, 2, hardware="cpu", schedules=("1f1b",), checkpointing=(False,), top=3)
+    steps = [p.time["step_s"] for p in found.plans]
+    assert len(found.plans) == 3 and steps == sorted(steps)
+    assert all(p.layout.world_size == 2 and p.fits for p in found.plans)
+    assert found.refused_by_key() == {"mesh.pp": 1}      # pp=2 stages for 1 layer
+    assert "mesh.pp" in pl.format_search(found)
+
+
+# ------------------------------------------------------------------ plan vs a real run on gloo ranks
+
+
+def _real_reports(overrides):
+    import torch
+
+    from shardfn import models
+    from shardfn.runtime import data
+    from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
+    from shardfn.runtime.train import make_optimizer
+
+    cfg = load_config("moe_tiny", overrides)
+    model = models.get(cfg.model_name)
+    params = model.init(cfg.model, cfg.train.seed)
+    opt = make_optimizer(cfg.train)
+    state = opt.init(params)
+    step = partitioned_step(cfg, model, opt, params, state, mesh_from_config(cfg), backend=None)
+    batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=cfg.train.batch_size,
+                           seq_len=cfg.train.seq_len, seed=cfg.train.seed)
+    lowered = step.jitted.lower(params, state, batch)
+    _, _, metrics = step(params, state, batch)
+    assert torch.isfinite(metrics["loss"])
+    return {"memory": lowered.memory_report(), "comm": lowered.comm_report()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [["mesh.dp=2", "mesh.ep=2"], ["mesh.fsdp=2", "mesh.ep=2"]], ids=["dp2xep2", "fsdp2xep2"])
+def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
+    from shardfn.runtime.launch import spawn
+
+    overrides = ["train.batch_size=8", "train.seq_len=32", *mesh]
+    real = spawn(_real_reports, 4, args=(overrides,), timeout_s=600)
+    plan = pl.make_plan(load_config("moe_tiny", overrides))
+    assert plan.trace["mode"] == "full"
+    for rank in real:
+        memory = rank["memory"]
+        assert plan.per_rank["params_bytes"] == memory["params"]
+        assert plan.per_rank["grads_bytes"] == memory["grads"]
+        assert plan.per_rank["opt_state_bytes"] == memory["opt_state"]
+        static = [{k: r[k] for k in ("op", "axis", "bytes", "count")} for r in rank["comm"] if "layer" not in r]
+        planned = [{k: r[k] for k in ("op", "axis", "bytes", "count")} for r in plan.comm if r["source"] == "trace"]
+        key = lambda r: (r["op"], r["axis"])  # noqa: E731
+        assert sorted(planned, key=key) == sorted(static, key=key)
+        # the all-to-alls: four exchanges per MoE layer, as estimated; bytes depend on routing
+        exchanges = [r for r in rank["comm"] if "layer" in r]
+        estimate = next(r for r in plan.comm if r["op"] == "all_to_all" and r["source"] == "estimate")
+        assert estimate["count"] == sum(r["count"] for r in exchanges) == 4 * 2
+        assert 0.5 < sum(r["bytes"] for r in exchanges) / estimate["bytes"] < 1.5
