@@ -66,7 +66,7 @@ def make_adamw():
 def reference(steps):
     """Loss, grad norm per step, first-step grads and final params on one device."""
     opt = optim.chain(optim.clip_by_global_norm(CLIP), make_adamw())
-    params, state = tiny_params(), None
+    params = tiny_params()
     state = opt.init(params)
     losses, norms, first_grads = [], [], None
     for batch in batches(steps):
@@ -116,17 +116,15 @@ def _close(a, b):
 def check_parity(axes, names, m, steps=3, use_mesh=True):
     ref = reference(steps)
     per_rank = spawn(_pipeline_worker, _world(axes), args=(axes, names, m, steps, use_mesh), timeout_s=240)
-    for rank, results in enumerate(per_rank):
+    for results in per_rank:  # every rank reports the same metrics and gathers the same trees
         for name in names:
             got = results[name]
-            for a, b in zip(got["losses"], ref["losses"]):
-                _close(a, b)
-            for a, b in zip(got["norms"], ref["norms"]):
-                _close(a, b)
-            for a, b in zip(tree_leaves(got["grads"]), tree_leaves(ref["grads"])):
-                _close(a, b)
-            for a, b in zip(tree_leaves(got["params"]), tree_leaves(ref["params"])):
-                _close(a, b)
+            for key in ("losses", "norms"):
+                for a, b in zip(got[key], ref[key], strict=True):
+                    _close(a, b)
+            for key in ("grads", "params"):
+                for a, b in zip(tree_leaves(got[key]), tree_leaves(ref[key]), strict=True):
+                    _close(a, b)
     assert ref["norms"][0] > CLIP  # clipping was active, so the global norm mattered
 
 
