@@ -135,10 +135,20 @@ class Layout:
 
     @classmethod
     def from_config(cls, cfg, *, checkpointing: bool = False) -> "Layout":
-        """The layout a run config asks for (``mesh`` and ``pipeline`` sections)."""
-        mesh = cfg.mesh
-        return cls(mesh.pp, mesh.dp, mesh.fsdp, mesh.ep, mesh.tp, cfg.pipeline.microbatches,
-                   cfg.pipeline.schedule.lower().replace("-", "_"), checkpointing)
+        """The layout a run config asks for (``mesh`` and ``pipeline`` sections).
+
+        Raises:
+            PlanError: ``pipeline.stages`` is not a multiple of ``mesh.pp``.
+        """
+        mesh, pipe = cfg.mesh, cfg.pipeline
+        virtual = None
+        if pipe.stages is not None:
+            if pipe.stages % mesh.pp:
+                raise PlanError("pipeline.stages", f"{pipe.stages} is not a multiple of mesh.pp = {mesh.pp}; use "
+                                                   f"{mesh.pp * max(1, pipe.stages // mesh.pp)} or null (one stage per rank)")
+            virtual = pipe.stages // mesh.pp
+        return cls(mesh.pp, mesh.dp, mesh.fsdp, mesh.ep, mesh.tp, pipe.microbatches,
+                   pipe.schedule.lower().replace("-", "_"), checkpointing, virtual)
 
     @property
     def world_size(self) -> int:
@@ -363,7 +373,7 @@ def _schedule(layout: Layout):
     """The layout's schedule from ``runtime.schedules`` (ImportError when that module is absent)."""
     from shardfn.runtime.schedules import get_schedule
 
-    virtual = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else None
+    virtual = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else layout.virtual
     return get_schedule(layout.schedule, layout.pp, layout.microbatches, n_virtual=virtual)
 
 
@@ -1060,6 +1070,8 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         notes.append("all_to_all over ep is estimated for uniform routing; the runtime records the real bytes")
     if not prof.full:
         notes.append("embedding, final norm, output head and loss are charged to the last stage")
+    if layout.pp > 1 and any(getattr(layout, a) > 1 for a in ("fsdp", "ep", "tp")):
+        notes.append("planned only: the pipeline executor composes mesh.pp with mesh.dp alone so far")
     return Plan(
         model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(dtype), layout=layout,
         batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
