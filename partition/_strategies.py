@@ -9,7 +9,8 @@ at run time. Two registries hold the answers:
 - ``op_strategy_funcs``: functions of an ``OpSchema`` whose tensor args are ``OpStrategy``
   objects (the producers' candidate placements) returning an ``OpStrategy`` of ``OpSpec``.
 
-Single-dim rules win when an op has both, as in DTensor's own propagator. DTensor's
+Single-dim rules win when an op has both, as in DTensor's own propagator. An op with neither
+that DTensor runs through its decomposition gets one all-replicated strategy. DTensor's
 ``redistribute_cost`` is not used: the auto-sharder prices transitions with its hardware model
 (``partition.cost``). This module and ``_torch_private`` could become one file.
 
@@ -153,10 +154,17 @@ def _registered(op, args, kwargs, device_mesh):
     fn = _propagator().op_strategy_funcs[op]
     tensors = _tensor_args(args, kwargs)
     if len(tensors) == 1:
-        out = []
+        out, error = [], None
         for pl in tensors[0].options:
             schema = _schema(op, args, kwargs, device_mesh, lambda a: _op_strategy(device_mesh, a, [pl]))
-            out.extend(_flatten_strategy(fn(schema)))
+            try:
+                out.extend(_flatten_strategy(fn(schema)))
+            except NoStrategy:
+                raise
+            except Exception as e:  # this input placement cannot be read (e.g. an uneven view)
+                error = e
+        if not out and error is not None:
+            raise error
         return out
     # Several functions follow one input and index the others' strategies by the same position,
     # so every input gets the same number of options (cycled).
@@ -186,6 +194,9 @@ def op_strategies(op, args: tuple, kwargs: dict, device_mesh, out_val) -> list[S
             return _single_dim(op, args, kwargs, device_mesh, out_val)
         if op in sp.op_strategy_funcs:
             specs = _registered(op, args, kwargs, device_mesh)
+        elif _has_decomposition(op):
+            # DTensor runs it through its decomposition; on replicated inputs that is replicated
+            return [_replicated_strategy(args, kwargs, device_mesh, out_val)]
         else:
             raise NoStrategy(f"DTensor has no sharding strategy for {op}")
     except NoStrategy:
@@ -210,6 +221,20 @@ def op_strategies(op, args: tuple, kwargs: dict, device_mesh, out_val) -> list[S
             raise NoStrategy(f"DTensor's strategy for {op} lists {len(ins)} inputs but the node has {n_in} tensors")
         out.append(Strategy(out_pl, ins))
     return out
+
+
+def _has_decomposition(op) -> bool:
+    decomp = getattr(_propagator(), "decomp_strategy", None)
+    try:
+        return bool(decomp is not None and decomp.has_decomp(op))
+    except Exception:
+        return False
+
+
+def _replicated_strategy(args, kwargs, device_mesh, out_val) -> Strategy:
+    rep = (Replicate(),) * device_mesh.ndim
+    outs = rep if isinstance(out_val, torch.Tensor) else tuple(rep if isinstance(v, torch.Tensor) else None for v in out_val)
+    return Strategy(outs, tuple(rep for _ in _tensor_args(args, kwargs)))
 
 
 def placement_options(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:

@@ -160,9 +160,14 @@ class _Problem:
         self.opts: list = [None] * n_nodes     # distinct output placements of each value
         self.out_map: list = [None] * n_nodes  # owner strategy -> index into opts
         replicated = self._intern((Replicate(),) * len(self.mesh_shape))
+        self.opaque: set[int] = set()          # nodes without tensors (profiler handles, ...)
         for i, n in enumerate(self.nodes):
             self.val[i] = n.meta.get("val") if n.op != "get_attr" else getattr(self.traced.graph_module, n.target)
-            self.inputs[i] = [self.index[a] for a in _node_args(n)]
+            self.inputs[i] = [self.index[a] for a in _node_args(n) if self.index[a] not in self.opaque]
+            if not _has_tensor(self.val[i]):
+                self.opaque.add(i)
+                self.inputs[i] = []
+                continue
             if n.op == "call_function" and n.target is operator.getitem:
                 src = self.inputs[i][0]
                 self.owner[i] = self.owner[src]
@@ -271,6 +276,8 @@ class _Problem:
         def conv(a):
             i = self.index[a]
             v = self.val[i]
+            if i in self.opaque:
+                return ("opaque", type(v).__name__)
             return ("T", tuple(v.shape), v.dtype, tuple(v.stride()), id(self.opts[i]))
 
         args = list(n.args)
@@ -288,6 +295,8 @@ class _Problem:
     def _dtensor_strategies(self, i: int, n: torch.fx.Node, replicated: tuple) -> tuple:
         def targ(a):
             j = self.index[a]
+            if j in self.opaque:
+                return self.val[j]
             opts = self.opts[j]
             if replicated not in opts:
                 opts = opts + (replicated,)  # a replicated copy is always reachable
@@ -997,7 +1006,7 @@ def apply(traced: Traced, result: AutoResult) -> list:
         counter = iter(range(len(prob.inputs[prob.index[consumer]])))
 
         def swap(a, replace=replace, counter=counter):
-            return replace.get(next(counter), a)
+            return a if prob.index[a] in prob.opaque else replace.get(next(counter), a)
 
         consumer.args, consumer.kwargs = map_arg((consumer.args, consumer.kwargs), swap)
     gm.meta["sf_auto_applied"] = True
@@ -1068,12 +1077,15 @@ def presets(mesh, args: tuple, param_axes: Any, *, params_argnum: int = 0, batch
     ``args[params_argnum]`` gets specs from ``param_axes`` (a tree of logical-axis tuples); any
     subtree of another argument shaped like the params (optimizer moments) takes the same specs;
     batch arguments split dim 0 as the rules' ``batch`` says; everything else is replicated.
-    Presets that need more mesh axes than there are are left out.
+    A dim keeps only the leading axes whose sizes divide it (a batch of 8 on a 64-device mesh
+    splits over the first axis of 8). Presets that need more mesh axes than there are are left out.
 
         table = result.comparison_table(presets(mesh, (params, opt_state, batch), model.param_axes(cfg)))
     """
     from shardfn.partition.layouts import state_specs
     from shardfn.partition.spec import specs_from_rules
+
+    from shardfn.core.pytree import tree_map
 
     out = {}
     n = len(args)
@@ -1084,19 +1096,35 @@ def presets(mesh, args: tuple, param_axes: Any, *, params_argnum: int = 0, batch
         except ValueError:
             continue
         pspecs = specs_from_rules(param_axes, {k: v for k, v in rules.items() if k != "batch"}, mesh.axes)
+        pspecs = tree_map(lambda spec, x: _fit(spec, x.shape, mesh.axes), pspecs, args[params_argnum],
+                          is_leaf=lambda v: isinstance(v, P))
         target = rules.get("batch")
         names = [target] if isinstance(target, str) else list(target or [])
-        bspec = P(tuple(names)) if len(names) > 1 else (P(names[0]) if names else P())
         specs = []
         for i, a in enumerate(args):
             if i == params_argnum % n:
                 specs.append(pspecs)
             elif i in batch:
-                specs.append(bspec)
+                specs.append(tree_map(lambda x: _fit(P(tuple(names)) if names else P(), x.shape, mesh.axes), a))
             else:
                 specs.append(state_specs(a, args[params_argnum], pspecs))
         out[kind] = tuple(specs)
     return out
+
+
+def _fit(spec: P, shape, axis_sizes: dict) -> P:
+    """``spec`` keeping, per dim, the leading axes whose product divides that dim."""
+    entries = []
+    for dim, entry in enumerate(spec):
+        kept, size = [], 1
+        for name in [entry] if isinstance(entry, str) else list(entry or ()):
+            if dim < len(shape) and shape[dim] % (size * axis_sizes[name]) == 0:
+                kept.append(name)
+                size *= axis_sizes[name]
+        entries.append(None if not kept else (kept[0] if len(kept) == 1 else tuple(kept)))
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def load_specs_yaml(path_or_text: "str | Path") -> dict:
@@ -1155,6 +1183,12 @@ def _node_args(n: torch.fx.Node) -> list[torch.fx.Node]:
     out: list = []
     map_arg((n.args, n.kwargs), lambda a: out.append(a))
     return out
+
+
+def _has_tensor(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return True
+    return isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val)
 
 
 def _freeze(x):
