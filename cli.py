@@ -71,16 +71,18 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--metrics", metavar="FILE", default=None,
                         help="write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s)")
+    parser.add_argument("--trace", metavar="DIR", default=None,
+                        help="mesh.pp > 1: write the last step's real action timings as a Chrome trace")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="spawn N local gloo ranks (default: runtime.nproc, else 1); under torchrun "
                              "the launcher's ranks are used")
 
 
-def _train_rank(cfg_dict: dict, metrics: str | None) -> None:
+def _train_rank(cfg_dict: dict, metrics: str | None, trace: str | None = None) -> None:
     from shardfn.core.config import config_from_dict
     from shardfn.runtime.train import train
 
-    train(config_from_dict(cfg_dict), metrics_path=metrics, log=lambda line: print(line, flush=True))
+    train(config_from_dict(cfg_dict), metrics_path=metrics, log=lambda line: print(line, flush=True), trace_dir=trace)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -94,12 +96,12 @@ def _train(args: argparse.Namespace) -> int:
     if nproc != world:
         raise UsageError(f"--nproc {nproc} but the mesh has {world} devices; make them equal")
     if "RANK" in os.environ or nproc == 1:  # under torchrun, or one device
-        train(cfg, metrics_path=args.metrics, log=lambda line: print(line, flush=True))
+        train(cfg, metrics_path=args.metrics, log=lambda line: print(line, flush=True), trace_dir=args.trace)
         return 0
     from shardfn.runtime.launch import RankFailed, spawn
 
     try:
-        spawn(_train_rank, nproc, args=(cfg.to_dict(), args.metrics), timeout_s=cfg.runtime.timeout_s)
+        spawn(_train_rank, nproc, args=(cfg.to_dict(), args.metrics, args.trace), timeout_s=cfg.runtime.timeout_s)
     except RankFailed as e:
         print(f"shardfn train: {e}", file=sys.stderr)
         return 1

@@ -55,15 +55,21 @@ def _(x, spec):
     return torch.empty_like(x)
 
 
-def _constrain_backward(ctx, grad):
-    return torch.ops.shardfn.constrain(grad, ctx.spec), None
+class _Constrain(torch.autograd.Function):
+    """The op with its backward (the same constraint on the cotangent), in the form torch.func
+    transforms accept (a custom op's generated autograd has no setup_context for them)."""
 
+    @staticmethod
+    def forward(x, spec):
+        return torch.ops.shardfn.constrain(x, spec)
 
-def _constrain_setup(ctx, inputs, output):
-    ctx.spec = inputs[1]
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.spec = inputs[1]
 
-
-_constrain.register_autograd(_constrain_backward, setup_context=_constrain_setup)
+    @staticmethod
+    def backward(ctx, grad):
+        return _Constrain.apply(grad, ctx.spec), None
 
 
 def constrain(x: Any, spec: Any) -> Any:
@@ -81,7 +87,7 @@ def constrain(x: Any, spec: Any) -> Any:
         return x
     leaves, treedef = optree.tree_flatten(x, none_is_leaf=False)
     specs = broadcast_specs(spec, x, what="constrain spec")
-    out = [torch.ops.shardfn.constrain(leaf, encode_spec(s)) for leaf, s in zip(leaves, specs)]
+    out = [_Constrain.apply(leaf, encode_spec(s)) for leaf, s in zip(leaves, specs)]
     return optree.tree_unflatten(treedef, out)
 
 
@@ -95,7 +101,18 @@ def _(x):
     return torch.empty_like(x)
 
 
-_pipeline_split.register_autograd(lambda ctx, grad: torch.ops.shardfn.pipeline_split(grad))
+class _PipelineSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(x):
+        return torch.ops.shardfn.pipeline_split(x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _PipelineSplit.apply(grad)
 
 
 def pipeline_split(x: torch.Tensor) -> torch.Tensor:
@@ -103,4 +120,4 @@ def pipeline_split(x: torch.Tensor) -> torch.Tensor:
 
         h = pipeline_split(h)
     """
-    return torch.ops.shardfn.pipeline_split(x) if tracing() else x
+    return _PipelineSplit.apply(x) if tracing() else x

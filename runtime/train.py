@@ -131,7 +131,8 @@ def _balance_router_bias(params: PyTree, counts: torch.Tensor, model_cfg) -> PyT
     return {**params, "moe_layers": {**layers, "router_bias": bias}}
 
 
-def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTree, opt_state: Any) -> StepFn:
+def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTree, opt_state: Any,
+               *, record: bool = False) -> StepFn:
     """The step callable the loop runs for the run config ``cfg``.
 
     On one device this is :func:`make_train_step`'s function, ``torch.compile``'d when
@@ -145,7 +146,7 @@ def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTr
         params, opt_state, metrics = step(params, opt_state, batch)
     """
     if cfg.mesh.pp > 1:
-        return _pipeline_step(cfg, model, params)
+        return _pipeline_step(cfg, model, params, record=record)
     if cfg.mesh.world_size > 1:
         from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
 
@@ -156,13 +157,13 @@ def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTr
     return step
 
 
-def _pipeline_step(cfg, model, params: PyTree) -> StepFn:
+def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepFn:
     """The pipeline step of this rank with the loop's contract: the first call takes the full
     initial tree and keeps only this rank's stages (and their optimizer state); later calls
     thread those local trees."""
     from shardfn.runtime.executor import build_pipeline_step
 
-    step = build_pipeline_step(cfg, model, params)
+    step = build_pipeline_step(cfg, model, params, record=record)
 
     def run(params, opt_state, batch):
         if not (isinstance(params, dict) and params and all(k.startswith("stage") for k in params)):
@@ -170,6 +171,7 @@ def _pipeline_step(cfg, model, params: PyTree) -> StepFn:
             opt_state = step.optimizer.init(params)
         return step(params, opt_state, batch)
 
+    run.write_trace = step.write_trace  # Chrome trace of the latest step's actions, all ranks
     return run
 
 
@@ -263,7 +265,8 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str], Any] = print) -> TrainResult:
+def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str], Any] = print,
+          trace_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train ``cfg.model`` for ``cfg.train.steps`` steps on one device.
 
     Resumes from the newest checkpoint in ``train.checkpoint.dir`` when checkpointing is on.
@@ -303,7 +306,7 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
         if found is not None:
             start, params, opt_state = load_checkpoint(found, params, opt_state)
             log(f"resuming from {found} (step {start})")
-    step_fn = build_step(cfg, model, optimizer, params, opt_state)
+    step_fn = build_step(cfg, model, optimizer, params, opt_state, record=trace_dir is not None)
     tokens = data.from_config(cfg.data)
 
     log(f"{cfg.model_name}: {count(params):,} params on {device}, mesh world size {cfg.mesh.world_size}, "
@@ -337,6 +340,12 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
         if sink:
             sink.close()
     seconds = time.perf_counter() - loop_start
+    if trace_dir is not None:
+        if not hasattr(step_fn, "write_trace"):
+            raise ValueError("--trace records pipeline schedules: set mesh.pp > 1")
+        path = step_fn.write_trace(Path(trace_dir) / "pipeline_trace.json")
+        if path is not None:
+            log(f"wrote the last step's schedule timings to {path} (chrome://tracing)")
     if history:
         log(f"done: {len(history)} steps in {seconds:.1f}s, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return TrainResult(params, opt_state, history, seconds)

@@ -212,3 +212,14 @@ def test_as_text_shows_placements_and_collectives(fake_mesh):
     assert "input 0 [4, 4] : tp:S(0)" in text
     assert "tp:P(sum)" in text
     assert "^ all_reduce[tp]" in text
+
+
+def test_constrain_inside_a_differentiated_function(fake_mesh):
+    """A constraint in the forward constrains the cotangent the same way (JAX semantics)."""
+
+    def loss_grad(w, x):
+        return torch.func.grad(lambda w: (sf.constrain(x @ w, P("dp", "tp")) ** 2).sum())(w)
+
+    lowered = sf.jit(loss_grad, fake_mesh, in_specs=(P(), P()), out_specs=P()).lower(torch.zeros(4, 4), torch.zeros(4, 4))
+    constrained = [line for line in lowered.as_text().splitlines() if "shardfn.constrain" in line]
+    assert len(constrained) == 2 and all(line.endswith("dp:S(0) tp:S(1)") for line in constrained)
