@@ -161,6 +161,7 @@ class PipelineConfig:
 class PartitionConfig:
     auto: bool = False  # search placements the specs and rules leave open
     memory_budget: Union[int, None] = None  # bytes per rank (YAML may say "40GiB"); null: no limit
+    sequence_parallel: bool = False  # tp: keep activations between blocks split over the sequence
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):
@@ -187,7 +188,7 @@ class RunConfig:
     model: Any
     model_name: str
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    rules: dict = field(default_factory=lambda: dict(DEFAULT_RULES))
+    rules: dict = field(default_factory=lambda: _deepcopy(DEFAULT_RULES))
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
@@ -400,7 +401,7 @@ def _build_model(section: Any) -> tuple[str, Any]:
 
 
 def _build_rules(section: dict) -> dict:
-    rules = dict(DEFAULT_RULES)
+    rules = _deepcopy(DEFAULT_RULES)
     for logical, target in section.items():
         if logical not in LOGICAL_AXES:
             raise ValueError(f"unknown config key 'rules.{logical}'; valid logical axes: {', '.join(LOGICAL_AXES)}")
