@@ -27,7 +27,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
-from shardfn.core.pytree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from shardfn.core.pytree import PyTree, tree_leaves, tree_map
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 """A learning-rate schedule: ``step`` (0-d int tensor, 0 for the first update) -> 0-d tensor."""
@@ -340,8 +340,7 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
 
     def resolve(params):
         m = mask(params) if callable(mask) else mask
-        leaves, treedef = tree_flatten(m)
-        bad = [x for x in leaves if not isinstance(x, bool)]
+        bad = [x for x in tree_leaves(m) if not isinstance(x, bool)]
         if bad:
             raise TypeError(f"mask leaves must be Python bools (static), got {type(bad[0]).__name__}; "
                             "build the mask with map_with_path(lambda path, x: ..., params).")

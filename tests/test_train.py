@@ -20,8 +20,8 @@ from shardfn.runtime.train import (
 SMALL = ["train.batch_size=4", "train.seq_len=32", "train.log_every=1000"]
 
 
-def _setup(overrides=()):
-    cfg = load_config(None, [*SMALL, *overrides])
+def _setup(overrides=(), config=None):
+    cfg = load_config(config, [*SMALL, *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
     opt = make_optimizer(cfg.train)
@@ -134,3 +134,12 @@ def test_moe_step_balances_router_bias_outside_the_optimizer():
     expected = update_expert_bias(params["moe_layers"]["router_bias"], aux["expert_counts"], cfg.model.bias_update_rate)
     torch.testing.assert_close(new["moe_layers"]["router_bias"], expected)  # no AdamW step, no decay
     assert {"loss", "grad_norm", "lr", "ce_loss", "balance_loss"} <= set(metrics)
+
+
+@pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
+def test_step_is_one_dynamo_graph(config):
+    # A graph break would split the step (e.g. backward and optimizer) into separately compiled pieces.
+    cfg, model, params, opt, batch = _setup(config=config)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(make_train_step(model, cfg.model, opt))(params, opt.init(params), batch)
+    assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
