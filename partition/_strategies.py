@@ -14,8 +14,9 @@ that DTensor runs through its decomposition gets one all-replicated strategy. DT
 ``redistribute_cost`` is not used: the auto-sharder prices transitions with its hardware model
 (``partition.cost``). This module and ``_torch_private`` could become one file.
 
-    options = op_strategies(aten.mm.default, (a, b), {}, mesh.device_mesh, out_val)
-    # [Strategy(out=(Shard(0),), ins=((Shard(0),), (Replicate(),))), ...]
+    a, b = TensorArg(x, [(Replicate(),)]), TensorArg(w, [(Replicate(),)])
+    op_strategies(aten.mm.default, (a, b), {}, mesh.device_mesh, x @ w)
+    # [Strategy(out=(Replicate(),), ins=(...)), Strategy(out=(Partial(sum),), ins=((Shard(1),), (Shard(0),))), ...]
 """
 
 from __future__ import annotations

@@ -44,12 +44,13 @@ from shardfn.partition.trace import Traced
 aten = torch.ops.aten
 
 _TIE_ROUNDS = 2        # neighbourhood radius (in graph hops) that must match for two nodes to tie
+_LAGRANGE_STEPS = 10   # memory-price multipliers tried when branch and bound does not finish
 _MEMORY_ROUNDS = 8     # at most this many memory cuts are added after the first solve
 _US = 1e6              # the ILP's objective is in microseconds (keeps HiGHS' tolerances sane)
 _GIB = float(1 << 30)  # and its memory rows in GiB
-_DISP = False
-_TIE_BREAK = 1e-3     # seconds per second-of-HBM-traffic of each input's bytes held
-_GAP = 1e-3           # HiGHS stops when the plan is within 0.1% of the best possible
+_TIE_BREAK = 1e-3      # an input's bytes / HBM bandwidth, times this, is added to its cost
+_GAP = 1e-3            # HiGHS stops when the plan is within 0.1% of the best possible
+_DISP = False          # HiGHS' log
 
 
 class Cost(NamedTuple):
@@ -439,6 +440,7 @@ class _Problem:
             groups.setdefault(key, [u, cv, needs, 0])[3] += 1
         y_cost: list[float] = []
         n_y = 0
+        self.transport: list = []  # (producer class, its map, consumer class, its map, table in us)
         for u, cv, needs, mult in groups.values():
             cu = self.cls[self.owner[u]]
             src_opts = self.opts[u]
@@ -459,6 +461,7 @@ class _Problem:
             # transport: y[a, b] >= 0 with rows summing to the producer's choice and columns to
             # the consumer's; only finite pairs get a variable
             finite = np.argwhere(np.isfinite(table))
+            self.transport.append((cu, src_map, cv, dst_map, table))
             ids = n_x + n_y + np.arange(len(finite))
             y_cost.extend(table[finite[:, 0], finite[:, 1]].tolist())
             n_y += len(finite)
@@ -620,6 +623,7 @@ class _Problem:
             ub[self.offset[c]:self.offset[c + 1]][~np.array(allowed)] = 0
         a_eq = csr_matrix((self.data, (self.rows, self.cols)), shape=(self.n_rows, n_var))
         cuts: list[int] = self.reference_peaks() if budget is not None else []
+        last = None
         while True:
             mem = None
             if cuts:
@@ -628,8 +632,14 @@ class _Problem:
             sol = self._solve_once(a_eq, mem, None if budget is None else budget / _GIB, ub, left)
             sol.solve_s = time.perf_counter() - t0
             sol.n_cuts = len(cuts)
+            if sol.choice is None and last is not None and sol.status == "time_limit":
+                # out of time re-solving with a new memory cut: the last plan, which may peak
+                # above the budget where the cut was (its cost says how much)
+                last.status, last.solve_s = "time_limit", sol.solve_s
+                return last
             if sol.choice is None or budget is None or len(cuts) >= _MEMORY_ROUNDS + 2:
                 return sol
+            last = sol
             peak, t = self.peak(sol.choice)
             if peak <= budget * (1 + 1e-9) or t in cuts:
                 return sol
@@ -654,22 +664,75 @@ class _Problem:
         if np.all(np.minimum(x, 1 - x) < 1e-6):
             return _Solution(self._decode(lp.x), "optimal", 0.0, "LP relaxation is integral", objective=lp.fun / _US,
                              bound=lp.fun / _US)
+        bound = lp.fun
+        deadline = t0 + left
         integrality = np.zeros(n_var)
         integrality[: self.n_x] = 1
         constraints = [LinearConstraint(a_eq, self.rhs, self.rhs)]
         if mem is not None:
             constraints.append(LinearConstraint(mem, -np.inf, mem_ub))
-        left -= time.perf_counter() - t0
+        # A fractional LP comes from the memory rows (a knapsack): branch and bound gets 70% of the
+        # time; if it does not finish, memory is priced into the objective at a multiplier,
+        # bisected until the plan fits, and the better of the two plans is kept.
+        share = 1.0 if mem is None else 0.7
         res = milp(self.c, integrality=integrality, bounds=Bounds(np.zeros(n_var), ub), constraints=constraints,
-                   options={"time_limit": max(0.5, left), "disp": _DISP, "mip_rel_gap": _GAP})
-        if res.x is not None:
-            status = "optimal" if res.status == 0 else "time_limit"
-            return _Solution(self._decode(res.x), status, 0.0, res.message, objective=res.fun / _US, bound=lp.fun / _US)
+                   options={"time_limit": max(0.5, share * (deadline - time.perf_counter())), "disp": _DISP,
+                            "mip_rel_gap": _GAP})
+        found = None if res.x is None else (self._decode(res.x), res.fun)
+        if res.status == 0 and found is not None:
+            return _Solution(found[0], "optimal", 0.0, res.message, objective=found[1] / _US, bound=bound / _US)
         if res.status == 2:
             return _Solution(None, "infeasible", 0.0, res.message)
-        # no incumbent in time: round the LP (each class takes its largest strategy)
-        return _Solution(self._decode(lp.x), "time_limit", 0.0, "rounded LP relaxation: " + res.message,
-                         bound=lp.fun / _US)
+        priced = self._lagrange(a_eq, mem, mem_ub, bounds, bound, deadline) if mem is not None else None
+        if priced is not None and (found is None or priced[1] < found[1]):
+            found = priced
+        if found is None:  # no plan in time: round the LP (each class takes its largest strategy)
+            return _Solution(self._decode(lp.x), "time_limit", 0.0, "rounded LP relaxation: " + res.message,
+                             bound=bound / _US)
+        return _Solution(found[0], "time_limit", 0.0, res.message, objective=found[1] / _US, bound=bound / _US)
+
+    def _lagrange(self, a_eq, mem, mem_ub, bounds, bound: float, deadline: float):
+        """``(choice, objective)`` of the best plan that fits the memory rows, found by pricing
+        memory at multipliers ``lam`` (us per GiB) and bisecting ``lam``; None if none fits."""
+        from scipy.optimize import linprog
+
+        weight = np.asarray(mem.sum(axis=0)).ravel()
+        lam = max(abs(bound), 1.0) / max(mem_ub, 1e-9)
+        lo, hi, best = 0.0, None, None
+        for _ in range(_LAGRANGE_STEPS):
+            left = deadline - time.perf_counter()
+            if left <= 0.5:
+                break
+            res = linprog(self.c + lam * weight, A_eq=a_eq, b_eq=self.rhs, bounds=bounds, method="highs",
+                          options={"time_limit": left, "disp": _DISP})
+            if res.x is None:
+                break
+            choice = self._decode(res.x)
+            x = self._onehot(choice)
+            fits = bool(np.all(mem @ x <= mem_ub * (1 + 1e-9)))
+            if fits:
+                value = self.objective(choice)
+                if best is None or value < best[1]:
+                    best = (choice, value)
+                hi = lam
+            else:
+                lo = lam
+            lam = lam * 8 if hi is None else (lo + hi) / 2
+        return best
+
+    def _onehot(self, choice: dict) -> np.ndarray:
+        x = np.zeros(self.n_x + self.n_y)
+        for c, rep in enumerate(self.rep):
+            x[self.offset[c] + choice[rep]] = 1.0
+        return x
+
+    def objective(self, choice: dict) -> float:
+        """The ILP objective (us) of a plan: compute and linear costs plus every edge's table."""
+        s = np.array([choice[rep] for rep in self.rep], dtype=np.int64)
+        value = float(self.c[self.offset[:-1] + s].sum())
+        for cu, src_map, cv, dst_map, table in self.transport:
+            value += table[src_map[s[cu]], dst_map[s[cv]]]
+        return value
 
     def _decode(self, x: np.ndarray) -> dict[int, int]:
         choice = {}
@@ -752,6 +815,8 @@ class AutoResult:
         status: ``"optimal"``, or ``"time_limit"`` when HiGHS stopped at ``time_limit_s`` with
             the best layout found so far.
         stats: sizes and timings (nodes, classes, variables, build and solve seconds).
+        mesh_axes / mesh_dims: the mesh's axes, and those with a device-mesh dim (the axes
+            DTensor placements are indexed by).
 
     Example:
         result = solve(traced, mesh, memory_budget=16e9)
@@ -937,8 +1002,9 @@ def solve(
             smallest = sum(int(prob.value_bytes(prob.index[ph]).min()) for ph in prob.placeholders)
             raise ValueError(
                 f"auto-sharding: no layout fits memory_budget={_fmt_bytes(budget)} per rank on mesh "
-                f"{_fmt_mesh(mesh.axes)}; the inputs alone need at least {_fmt_bytes(smallest)} per rank. "
-                f"Raise memory_budget, use a larger mesh, or shrink the batch"
+                f"{_fmt_mesh(mesh.axes)}; the inputs alone need at least {_fmt_bytes(smallest)} per rank, and the "
+                f"step's activations and gradients come on top. Raise memory_budget, use a larger mesh, or "
+                f"shrink the batch or the sequence"
             )
         raise RuntimeError(
             f"auto-sharding: HiGHS found no layout within time_limit_s={time_limit_s}; raise it ({sol.message})"
