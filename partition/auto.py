@@ -720,6 +720,16 @@ class _Problem:
             lam = lam * 8 if hi is None else (lo + hi) / 2
         return best
 
+    def replicated_choice(self) -> dict[int, int]:
+        """Each owner's all-replicated strategy (its first strategy if it has none)."""
+        choice = {}
+        for c, members in enumerate(self.members):
+            strats = self.strats[self.rep[c]]
+            s = next((j for j, st in enumerate(strats) if not _sharded(st.out) and not any(_sharded(p) for p in st.ins)), 0)
+            for o in members:
+                choice[o] = s
+        return choice
+
     def _onehot(self, choice: dict) -> np.ndarray:
         x = np.zeros(self.n_x + self.n_y)
         for c, rep in enumerate(self.rep):
@@ -862,8 +872,9 @@ class AutoResult:
         """A few lines: status, estimated step, memory, the chosen input specs."""
         c = self.cost
         budget = "none" if self.memory_budget is None else _fmt_bytes(self.memory_budget)
+        status = self.status if self.status == "optimal" else f"{self.status} ({self.stats.get('message', '')})"
         lines = [
-            f"auto-sharding on mesh {_fmt_mesh(self.mesh_axes)} ({self.hardware}): {self.status}",
+            f"auto-sharding on mesh {_fmt_mesh(self.mesh_axes)} ({self.hardware}): {status}",
             f"  step {_fmt_s(c.step_s)} = compute {_fmt_s(c.compute_s)} + comm {_fmt_s(c.comm_s)} "
             f"+ reshard {_fmt_s(c.reshard_s)}; memory {_fmt_bytes(c.memory_bytes)} per rank (budget {budget})",
             f"  {self.stats['nodes']} nodes in {self.stats['classes']} classes, {self.stats['variables']} variables; "
@@ -996,7 +1007,7 @@ def solve(
     arg_names = tuple(arg_names) if arg_names is not None else None
     prob = _Problem(traced, mesh, hw, tie_layers=tie_layers)
     fixed = _resolve_fixed(fixed_specs, traced, arg_names)
-    sol = prob.solve(fixed, budget, time_limit_s)
+    sol = _solve_on_rank_zero(prob, mesh, lambda: prob.solve(fixed, budget, time_limit_s))
     if sol.choice is None:
         if sol.status == "infeasible":
             smallest = sum(int(prob.value_bytes(prob.index[ph]).min()) for ph in prob.placeholders)
@@ -1006,10 +1017,22 @@ def solve(
                 f"step's activations and gradients come on top. Raise memory_budget, use a larger mesh, or "
                 f"shrink the batch or the sequence"
             )
-        raise RuntimeError(
-            f"auto-sharding: HiGHS found no layout within time_limit_s={time_limit_s}; raise it ({sol.message})"
-        )
+        # HiGHS had no plan at all in time: run everything replicated, and say so
+        sol = _Solution(prob.replicated_choice(), "time_limit", sol.solve_s,
+                        f"no plan within time_limit_s={time_limit_s}, so everything is replicated; raise it ({sol.message})")
     return _result(prob, sol, hw, budget, arg_names, time_limit_s)
+
+
+def _solve_on_rank_zero(prob: "_Problem", mesh, solve_fn) -> "_Solution":
+    """On a real multi-process mesh, rank 0 solves and broadcasts its plan: every rank must run
+    the same plan, and a time limit could end the search at different plans on different ranks."""
+    import torch.distributed as dist
+
+    if getattr(mesh, "fake", True) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return solve_fn()
+    payload = [solve_fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
 
 
 def _result(prob: _Problem, sol: _Solution, hw: Hardware, budget, arg_names, time_limit_s) -> AutoResult:
@@ -1019,15 +1042,11 @@ def _result(prob: _Problem, sol: _Solution, hw: Hardware, budget, arg_names, tim
         i = prob.index[ph]
         in_specs.append(to_spec(prob.out_placement(i, sol.choice), prob.val[i].ndim, prob.names))
     out_specs = [to_spec(pl, prob.val[u].ndim, prob.names) for pl, (u, _) in zip(sink_pl, prob.sinks)]
-    placements = {}
-    for i, n in enumerate(prob.nodes):
-        if i in prob.strats:
-            placements[n.name] = prob.strats[i][sol.choice[i]].out
-        elif prob.item[i] is not None:
-            placements[n.name] = prob.out_placement(i, sol.choice)
+    placements = {n.name: prob.out_placement(i, sol.choice) for i, n in enumerate(prob.nodes) if i not in prob.opaque}
     stats = {
         "nodes": len(prob.nodes), "classes": prob.n_classes, "variables": prob.n_x + prob.n_y,
         "constraints": prob.n_rows, "memory_cuts": sol.n_cuts, "build_s": prob.build_s, "solve_s": sol.solve_s,
+        "objective_s": sol.objective, "lower_bound_s": sol.bound, "message": sol.message,
     }
     return AutoResult(in_specs, out_specs, placements, moves, cost, sol.status, stats, dict(prob.mesh.axes),
                       prob.names, hw.name, budget, arg_names, prob, sol.choice, time_limit_s)
@@ -1290,6 +1309,15 @@ def _has_node(a) -> bool:
     found = []
     map_arg(a, lambda x: found.append(x))
     return bool(found)
+
+
+def _sharded(pl) -> bool:
+    """True when placements (or a tuple of them) split or partially sum anything."""
+    if pl is None:
+        return False
+    if pl and isinstance(pl[0], (tuple, type(None))):
+        return any(_sharded(p) for p in pl)
+    return any(not isinstance(p, Replicate) for p in pl)
 
 
 def _has_partial(pl) -> bool:

@@ -320,3 +320,43 @@ def test_models_never_worse_than_the_best_preset(clean_process_group, name, axes
     fitting = [r["step_s"] for r in rows[1:] if r.get("fits")]
     assert fitting and rows[0]["step_s"] <= min(fitting) * (1 + 1e-6)
     assert result.cost.memory_bytes <= load_hardware("h100").hbm_bytes
+
+
+def _llama_tiny_step():
+    import sys
+
+    from shardfn.core.config import load_config
+    from shardfn.runtime.train import make_optimizer, make_train_step
+
+    cfg = load_config("llama_tiny", ["train.batch_size=4", "train.seq_len=16"])
+    model = sys.modules[type(cfg.model).__module__]
+    params = model.init(cfg.model, 0)
+    opt = make_optimizer(cfg.train)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    batch = {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
+    return make_train_step(model, cfg.model, opt), (params, opt.init(params), batch)
+
+
+def _llama_tiny_worker():
+    from shardfn.core.pytree import tree_map
+
+    step, args = _llama_tiny_step()
+    fixed = {"batch": P("dp"), "params.layers.mlp": P(None, None, "tp"), "params.layers.attn.wq": P(None, None, "tp")}
+    lowered, result = auto.jit_auto(step, sf.Mesh({"dp": 2, "tp": 2}), args, fixed_specs=fixed,
+                                    arg_names=("params", "opt_state", "batch"))
+    params, _, metrics = lowered(*args, backend=None)
+    return {"params": tree_map(lambda t: t.full_tensor(), params), "loss": metrics["loss"].full_tensor(),
+            "comm": lowered.comm_report(), "estimated": result.collectives()}
+
+
+@pytest.mark.slow
+def test_llama_tiny_auto_layout_matches_one_device():
+    from shardfn.core.pytree import tree_leaves
+
+    step, args = _llama_tiny_step()
+    ref_params, _, ref_metrics = step(*args)
+    for out in spawn(_llama_tiny_worker, 4, timeout_s=600):
+        torch.testing.assert_close(out["loss"], ref_metrics["loss"], rtol=1e-5, atol=1e-6)
+        for got, want in zip(tree_leaves(out["params"]), tree_leaves(ref_params)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert out["comm"] == out["estimated"] and any(r["axis"] == "tp" for r in out["comm"])
