@@ -30,7 +30,7 @@ import numpy as np
 import optree
 import torch
 import yaml
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate
 from torch.fx.node import map_arg
 
 from shardfn.partition import _strategies as strategies
@@ -38,7 +38,7 @@ from shardfn.partition import constrain as _constrain_ops  # noqa: F401  (regist
 from shardfn.partition import local_map as _local_map_ops  # noqa: F401  (registers shardfn::local_region)
 from shardfn.partition.cost import CostModel, Transition, is_view
 from shardfn.partition.hardware import Hardware, load_hardware
-from shardfn.partition.spec import AUTO, P, broadcast_specs, describe, to_placements, to_spec
+from shardfn.partition.spec import AUTO, P, broadcast_specs, to_placements, to_spec
 from shardfn.partition.trace import Traced
 
 aten = torch.ops.aten

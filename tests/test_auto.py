@@ -1,6 +1,5 @@
 """Auto-sharding: hardware profiles, the cost model, the ILP's choices, presets, YAML, parity."""
 
-import math
 
 import pytest
 import torch
