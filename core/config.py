@@ -175,10 +175,12 @@ class RuntimeConfig:
     timeout_s: float = 600.0  # multi-process runs: every rank is stopped after this long
     nproc: Union[int, None] = None  # local processes to launch; null: the mesh's world size
     device: str = "cpu"  # single-device runs: "cpu", "cuda", "cuda:1", ...
+    threads: Union[int, None] = None  # CPU intra-op threads (torch.set_num_threads); null: torch's default
 
     def validate(self) -> None:
         _check(self.timeout_s > 0, "runtime.timeout_s", "must be > 0", self.timeout_s)
         _check(self.nproc is None or self.nproc >= 1, "runtime.nproc", "must be >= 1 or null", self.nproc)
+        _check(self.threads is None or self.threads >= 1, "runtime.threads", "must be >= 1 or null", self.threads)
 
 
 @dataclass

@@ -276,6 +276,9 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
         metrics_path: if given, one JSON object per step is written there
             (``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``time_s``).
         log: where progress lines go (every ``train.log_every`` steps, and the first and last).
+        trace_dir: pipeline runs (``mesh.pp > 1``) write the last step's Chrome trace there.
+
+    ``runtime.threads`` sets torch's CPU thread count for the run (restored afterwards).
 
     Returns:
         A :class:`TrainResult` with the final parameters and optimizer state and the per-step metrics.
@@ -284,6 +287,16 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
         result = train(load_config(None, ["train.steps=20"]), metrics_path="m.jsonl")
         [m["loss"] for m in result.history]
     """
+    threads = torch.get_num_threads()
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)
+    try:
+        return _train(cfg, metrics_path, log, trace_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     from shardfn import models
 
     t = cfg.train
@@ -309,7 +322,8 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
     step_fn = build_step(cfg, model, optimizer, params, opt_state, record=trace_dir is not None)
     tokens = data.from_config(cfg.data)
 
-    log(f"{cfg.model_name}: {count(params):,} params on {device}, mesh world size {cfg.mesh.world_size}, "
+    where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
+    log(f"{cfg.model_name}: {count(params):,} params on {where}, mesh world size {cfg.mesh.world_size}, "
         f"batch {t.batch_size}x{t.seq_len}, steps {start}->{t.steps}{', compiled' if t.compile else ''}")
     history: list[dict] = []
     sink = open(metrics_path, "a" if start else "w") if metrics_path else None
