@@ -235,6 +235,8 @@ def main(argv=None) -> dict:
     if cfg.model_name != "llama":
         parser.error(f"the reference module is a Llama; {args.config} is a {cfg.model_name!r} model")
     torch.manual_seed(0)
+    if cfg.runtime.threads:
+        torch.set_num_threads(cfg.runtime.threads)  # llama_tiny: 1 (see its config); runtime.threads=2 to change
     device = torch.device(cfg.runtime.device)
     t = cfg.train
     model = models.get("llama")
