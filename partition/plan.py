@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -371,10 +372,23 @@ def stage_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 def _schedule(layout: Layout):
     """The layout's schedule from ``runtime.schedules`` (ImportError when that module is absent)."""
+    virtual = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else layout.virtual
+    return _schedule_for(layout.schedule, layout.pp, layout.microbatches, virtual)
+
+
+@functools.lru_cache(maxsize=512)
+def _schedule_for(name: str, pp: int, microbatches: int, virtual: int | None):
     from shardfn.runtime.schedules import get_schedule
 
-    virtual = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else layout.virtual
-    return get_schedule(layout.schedule, layout.pp, layout.microbatches, n_virtual=virtual)
+    return get_schedule(name, pp, microbatches, n_virtual=virtual)
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulate_for(name: str, pp: int, microbatches: int, virtual: int | None, costs: tuple, comm: float):
+    from shardfn.runtime.schedules import simulate
+
+    sim = simulate(_schedule_for(name, pp, microbatches, virtual), costs=dict(costs), comm=comm)
+    return sim.makespan, sim.bubble
 
 
 def rank_stages(layout: Layout) -> list[tuple[int, ...]]:
@@ -938,7 +952,12 @@ def _step_comm(prof: Profile, share: _RankShare, leaves: Sequence[_Leaf], tied: 
 def _inflight(layout: Layout, stage_act: Sequence[int]) -> tuple[list[int], list[int], list[dict]]:
     """Per pipeline rank: the most activation bytes held at once, the most microbatches held,
     and the P2P sends per step (from the schedule's actions; 1F1B when it is unavailable)."""
-    p, m = layout.pp, layout.microbatches
+    return _inflight_for(layout.pp, layout.microbatches, layout.schedule, layout.virtual, tuple(stage_act))
+
+
+@functools.lru_cache(maxsize=4096)
+def _inflight_for(p: int, m: int, schedule: str, virtual: int | None, stage_act: tuple):
+    layout = Layout(pp=p, microbatches=m, schedule=schedule, virtual=virtual)
     if p == 1:
         return [stage_act[0]], [1], [{}]
     try:
@@ -972,10 +991,8 @@ def _makespan_units(layout: Layout, costs: dict, comm_units: float) -> tuple[flo
     if p == 1:
         return m * per_mb, 0.0
     try:
-        from shardfn.runtime.schedules import simulate
-
-        sim = simulate(_schedule(layout), costs=costs, comm=comm_units)
-        return sim.makespan, sim.bubble
+        virtual = layout.stages_per_rank if layout.schedule == "interleaved_1f1b" else layout.virtual
+        return _simulate_for(layout.schedule, p, m, virtual, tuple(sorted(costs.items())), comm_units)
     except ImportError:
         span = (m + p - 1) * per_mb + 2 * (p - 1) * comm_units
         return span, 1 - m * per_mb / span
@@ -1131,9 +1148,10 @@ def _transient(leaves: Sequence[_Leaf], share: _RankShare, layer_saved: dict, la
 
 
 def _step_time(cfg, layout: Layout, hw: Hardware, facts: _ModelFacts, stages, stage_comm, step_comms, tokens_mb,
-               ep_bytes, input_bytes, dtype) -> dict:
+               ep_bytes, input_bytes, dtype, *, p2p: bool = True) -> dict:
     """Seconds per step: the schedule's makespan over per-stage microbatch times, then the
-    per-step collectives of the slowest rank (see the module docstring)."""
+    per-step collectives of the slowest rank (see the module docstring). ``p2p=False`` leaves
+    the P2P delay out (a lower bound)."""
     mcfg, seq, m = cfg.model, cfg.train.seq_len, layout.microbatches
     intra = _intra_node(layout, hw)
     peak = hw.peak_flops(dtype)
@@ -1153,7 +1171,7 @@ def _step_time(cfg, layout: Layout, hw: Hardware, facts: _ModelFacts, stages, st
     per_mb = max(x + y for x, y in zip(compute, comm))       # the slowest stage sets the pace
     costs = {"F": 1.0, "B": 3.0 if layout.checkpointing else 2.0, "I": 2.0 if layout.checkpointing else 1.0, "W": 1.0}
     unit = per_mb / (costs["F"] + costs["B"])
-    p2p_s = _collective_s(hw, layout, intra, "p2p", "pp", input_bytes, 1) if layout.pp > 1 else 0.0
+    p2p_s = _collective_s(hw, layout, intra, "p2p", "pp", input_bytes, 1) if layout.pp > 1 and p2p else 0.0
     makespan, bubble = _makespan_units(layout, costs, p2p_s / unit if unit else 0.0)
     pipeline_s = makespan * unit
     step_comm_s = max(seconds(c) for c in step_comms)
@@ -1225,7 +1243,7 @@ def _microbatch_options(cfg, axes: dict) -> list[int]:
         return [1]          # refused by the batch check, with its message
     per_rank = cfg.train.batch_size // data
     first = axes["pp"] if axes["pp"] > 1 else 1
-    wanted = {first * 2 ** i for i in range(4)} | ({per_rank} if per_rank >= first else set())
+    wanted = {first * 2 ** i for i in range(4)} | ({per_rank} if first <= per_rank <= 8 * first else set())
     return sorted(m for m in wanted if per_rank % m == 0) or [first]
 
 
@@ -1238,11 +1256,12 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
     tokens_mb = rows * cfg.train.seq_len
     stages = _stage_counts(mcfg, layout)
-    held, _, _ = _inflight(layout, [sum(s.counts.values()) * tokens_mb * mcfg.dim * itemsize for s in stages])
-    peak = max(s["params"] + s["grads"] + s["opt_state"] + h for s, h in zip(static, held))
+    held_layers, _, _ = _inflight(layout, [sum(s.counts.values()) for s in stages])
+    input_bytes = tokens_mb * mcfg.dim * itemsize
+    peak = max(s["params"] + s["grads"] + s["opt_state"] + h * input_bytes for s, h in zip(static, held_layers))
     empty = [{} for _ in stages]
     t = _step_time(cfg, layout, hw, facts, stages, empty, [{}], tokens_mb, tokens_mb * facts.top_k * mcfg.dim * itemsize,
-                   tokens_mb * mcfg.dim * itemsize, dtype)
+                   input_bytes, dtype, p2p=False)
     return peak, t["step_s"]
 
 
@@ -1255,7 +1274,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
 
     Every ``(pp, dp, fsdp, ep, tp)`` whose product is ``gpus`` (``tp`` up to ``max_tp``, default
     the hardware's ``gpus_per_node``) is combined with microbatch counts (``microbatches``, or
-    ``pp x 1, 2, 4, 8`` and one row per microbatch), ``schedules`` (``1f1b`` alone when
+    ``pp x 1, 2, 4, 8``, and one row per microbatch when that is within that range), ``schedules`` (``1f1b`` alone when
     ``pp == 1``) and ``checkpointing``. Invalid layouts are refused with the key to change.
     The valid ones are ordered by a lower bound on their step time and planned in that order
     (one traced profile per distinct mesh and microbatch size), skipping any whose lower bound
@@ -1358,10 +1377,10 @@ def format_plan(plan: Plan) -> str:
         f"  parameters        {_gib(r['params_bytes']):>14}",
         f"  gradients         {_gib(r['grads_bytes']):>14}",
         f"  optimizer state   {_gib(r['opt_state_bytes']):>14}",
-        f"  activations       {_gib(r['activation_bytes']):>14}   {r['inflight_microbatches']} microbatch(es) in flight "
-        f"x {_gib(r['activation_bytes_per_microbatch'])} "
-        f"({_gib(r['activation_bytes_per_microbatch_checkpointed'])} checkpointed)"
-        f"{', checkpointing on' if lay.checkpointing else ''}",
+        f"  activations       {_gib(r['activation_bytes']):>14}   at most {r['inflight_microbatches']} (stage, microbatch) "
+        f"held{' with checkpointing' if lay.checkpointing else ''}; one microbatch through this rank saves "
+        f"{_gib(r['activation_bytes_per_microbatch'])}, {_gib(r['activation_bytes_per_microbatch_checkpointed'])} "
+        f"checkpointed",
         f"  transient         {_gib(r['transient_bytes']):>14}   one layer's working set",
         f"  peak              {_gib(r['peak_bytes']):>14}   of {_gib(plan.capacity_bytes)}: "
         f"{'fits' if plan.fits else 'DOES NOT FIT'}",

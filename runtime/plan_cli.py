@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedules", default="1f1b,interleaved_1f1b,zbh1,dualpipev", metavar="LIST",
                         help="--search: pipeline schedules to try, comma-separated")
     parser.add_argument("--microbatches", default=None, metavar="LIST",
-                        help="--search: microbatch counts to try, comma-separated (default: pp x 1, 2, 4, 8 and one row each)")
+                        help="--search: microbatch counts to try, comma-separated (default: pp x 1, 2, 4, 8)")
     parser.add_argument("--max-tp", type=int, default=None, metavar="N",
                         help="--search: largest tp to try (default: the hardware's gpus_per_node)")
 
