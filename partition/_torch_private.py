@@ -4,6 +4,9 @@
   the partitioner can decide how a Partial value is reduced (once, and for every consumer).
 - The active make_fx tracer: to tell which collectives each global graph node emitted.
 - The fake process group's store, for planning on a simulated mesh.
+- ``_StridedShard.local_shard_size_and_offset``: run outside the tracing modes when its sizes
+  are plain ints (:func:`eager_strided_shard_sizes`), so planning a redistribution does not
+  trace index tensors one element at a time.
 """
 
 from __future__ import annotations
@@ -79,3 +82,31 @@ def resolve_group(name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
+
+
+@contextlib.contextmanager
+def eager_strided_shard_sizes():
+    """While active, DTensor computes ``_StridedShard`` shard sizes and offsets (a strided
+    placement appears when two mesh axes split one tensor dim, e.g. ``fsdp`` and ``tp``) on
+    real index tensors even under make_fx and FakeTensorMode, where each ``.tolist()`` would be
+    traced and cost seconds per call. The answer is the same; only its cost changes.
+
+        with eager_strided_shard_sizes():
+            gm = make_fx(local_fn, tracing_mode="fake")(*example)
+    """
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    original = _StridedShard.local_shard_size_and_offset
+
+    def eager(self, curr_local_size, num_chunks, rank, *args, **kwargs):
+        if not all(type(x) is int for x in (curr_local_size, num_chunks, rank)):
+            return original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            return original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+
+    _StridedShard.local_shard_size_and_offset = eager
+    try:
+        yield
+    finally:
+        _StridedShard.local_shard_size_and_offset = original

@@ -80,7 +80,8 @@ def lower(
         return result
 
     example = local_inputs(traced, mesh, in_placements)
-    gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    with private.eager_strided_shard_sizes():
+        gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
     return Lowered(gm, list(in_placements), list(out_placements), example)
 
 
