@@ -37,7 +37,7 @@ from shardfn.core.grouped_mm import grouped_mm
 from shardfn.core.layers import swiglu
 
 __all__ = [
-    "Routing", "Dispatch", "router_scores", "route", "expert_counts", "dispatch", "expert_compute",
+    "Routing", "Dispatch", "router_scores", "route", "expert_counts", "tokens_per_expert", "dispatch", "expert_compute",
     "combine", "routed_experts", "sequence_balance_loss", "update_expert_bias", "moe_layer",
 ]
 
@@ -125,6 +125,18 @@ def expert_counts(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
     """
     flat = indices.reshape(-1)
     return torch.zeros(n_experts, dtype=torch.int64, device=flat.device).index_add(0, flat, torch.ones_like(flat))
+
+
+def tokens_per_expert(indices: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """:func:`expert_counts` as a sum over tokens of a one-hot ``[T*k, E]`` mask: with the tokens
+    split over ranks each rank sums its own and the total is one all-reduce of ``[E]`` (an
+    ``index_add`` into a replicated count would all-gather every token's indices first).
+
+    Example:
+        tokens_per_expert(torch.tensor([[0, 2], [2, 3]]), 4)  # tensor([1, 0, 2, 1])
+    """
+    flat = indices.reshape(-1, 1)
+    return (flat == torch.arange(n_experts, device=flat.device)).sum(0)
 
 
 # ----------------------------------------------------------------------------- dispatch and experts
@@ -313,5 +325,5 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
             balance = cfg.aux_loss_alpha * sequence_balance_loss(r.scores, r.indices, b)
         else:
             balance = torch.zeros((), device=x.device)
-        aux = {"expert_counts": expert_counts(r.indices, cfg.n_experts), "balance_loss": balance}
+        aux = {"expert_counts": tokens_per_expert(r.indices, cfg.n_experts), "balance_loss": balance}
         return y.view(b, s, dim), aux

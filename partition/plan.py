@@ -1247,10 +1247,30 @@ def _microbatch_options(cfg, axes: dict) -> list[int]:
     return sorted(m for m in wanted if per_rank % m == 0) or [first]
 
 
-def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[dict]) -> tuple[int, float]:
+def _fsdp_comm(leaves: Sequence[_Leaf], share: _RankShare, layout: Layout, tied: bool) -> tuple[Comm, Comm]:
+    """The least ``fsdp`` traffic of a rank's share: per microbatch, each fsdp-sharded weight
+    gathered once (``(bytes, count)``, bytes of the gathered output); per step, its gradient
+    reduce-scattered once. Empty without ``fsdp``."""
+    if layout.fsdp == 1:
+        return {}, {}
+    nbytes, count = 0, 0
+    for leaf in leaves:
+        layers = _leaf_on_rank(leaf, share, tied)
+        if layers and "fsdp" in leaf.spec.axes():
+            nbytes += leaf.local_bytes(layers if leaf.stack else None) * layout.fsdp
+            count += 1
+    if not count:
+        return {}, {}
+    return {("all_gather", "fsdp"): (nbytes, count)}, {("reduce_scatter", "fsdp"): (nbytes, count)}
+
+
+def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[dict],
+                  leaves: Sequence[_Leaf] = ()) -> tuple[int, float]:
     """``(peak bytes, step seconds)`` that the layout's plan cannot go below: the parameters,
     gradients and optimizer state plus each layer's input held for the in-flight microbatches;
-    and the step time with no traced collective (compute, the estimated all-to-alls, P2P)."""
+    and the step time with no traced collective but the least ``fsdp`` traffic of ``leaves``
+    (each sharded weight gathered once per microbatch, its gradient reduce-scattered once),
+    besides compute, the estimated all-to-alls and P2P."""
     mcfg = cfg.model
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
@@ -1259,9 +1279,10 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     held_layers, _, _ = _inflight(layout, [sum(s.counts.values()) for s in stages])
     input_bytes = tokens_mb * mcfg.dim * itemsize
     peak = max(s["params"] + s["grads"] + s["opt_state"] + h * input_bytes for s, h in zip(static, held_layers))
-    empty = [{} for _ in stages]
-    t = _step_time(cfg, layout, hw, facts, stages, empty, [{}], tokens_mb, tokens_mb * facts.top_k * mcfg.dim * itemsize,
-                   input_bytes, dtype, p2p=False)
+    tied = bool(getattr(mcfg, "tie_embeddings", False))
+    fsdp = [_fsdp_comm(leaves, share, layout, tied) for share in stages]
+    t = _step_time(cfg, layout, hw, facts, stages, [mb for mb, _ in fsdp], [step for _, step in fsdp] or [{}],
+                   tokens_mb, tokens_mb * facts.top_k * mcfg.dim * itemsize, input_bytes, dtype, p2p=False)
     return peak, t["step_s"]
 
 
@@ -1302,6 +1323,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
             refused.append({"layout": mesh_layout.describe(), "key": e.key, "reason": str(e)})
             continue
         static_cache: dict = {}
+        mesh_leaves = _leaves(model, cfg.model, mesh_layout.axes(), cfg.rules, dtype) if axes["fsdp"] > 1 else ()
         for m in (microbatches or _microbatch_options(cfg, axes)):
             for sched in (schedules if axes["pp"] > 1 else ("1f1b",)):
                 for ckpt in checkpointing:
@@ -1315,7 +1337,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
                     skey = (layout.stages_per_rank, sched if layout.stages_per_rank > 1 else "")
                     if skey not in static_cache:
                         static_cache[skey] = memory_bytes(cfg, layout, dtype=dtype)
-                    peak, step = _lower_bounds(cfg, layout, hw, dtype, facts, static_cache[skey])
+                    peak, step = _lower_bounds(cfg, layout, hw, dtype, facts, static_cache[skey], mesh_leaves)
                     if peak > capacity:
                         too_big.append({"layout": layout.describe(), "peak_bytes": peak, "bound": True})
                     else:

@@ -186,6 +186,7 @@ def test_expert_counts_and_bias_update():
     idx = torch.tensor([[0, 3], [3, 1], [3, 0]])
     counts = moe.expert_counts(idx, 5)
     torch.testing.assert_close(counts, torch.bincount(idx.reshape(-1), minlength=5))
+    torch.testing.assert_close(moe.tokens_per_expert(idx, 5), counts)
     new = moe.update_expert_bias(torch.zeros(5), counts, 0.01)  # mean 1.2
     torch.testing.assert_close(new, 0.01 * torch.tensor([-1.0, 1.0, 1.0, -1.0, 1.0]))  # over- vs under-loaded
     stacked = moe.update_expert_bias(torch.zeros(2, 2), torch.tensor([[3, 1], [2, 2]]), 1.0)

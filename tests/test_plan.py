@@ -7,6 +7,7 @@ import json
 import pytest
 
 from shardfn.core.config import load_config
+from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition import plan as pl
 from shardfn.partition.plan import Layout, PlanError
 
@@ -235,3 +236,40 @@ def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
         estimate = next(r for r in plan.comm if r["op"] == "all_to_all" and r["source"] == "estimate")
         assert estimate["count"] == sum(r["count"] for r in exchanges) == 4 * 2
         assert 0.5 < sum(r["bytes"] for r in exchanges) / estimate["bytes"] < 1.5
+
+
+def test_search_bound_counts_fsdp_gathers_and_stays_below_the_plan(clean_process_group):
+    import torch
+
+    cfg = load_config("llama_tiny", ["model.n_layers=2", "train.batch_size=8", "train.seq_len=16"])
+    layout = pl.Layout(fsdp=2)
+    hw = pl.load_hardware("cpu")
+    from shardfn import models
+
+    model = models.get(cfg.model_name)
+    leaves = pl._leaves(model, cfg.model, layout.axes(), cfg.rules, torch.float32)
+    facts = pl._model_facts(cfg.model, leaves)
+    static = pl.memory_bytes(cfg, layout)
+    _, without = pl._lower_bounds(cfg, layout, hw, torch.float32, facts, static)
+    _, bound = pl._lower_bounds(cfg, layout, hw, torch.float32, facts, static, leaves)
+    plan = pl.make_plan(cfg, layout, hardware=hw)
+    gathered = sum(r["bytes"] for r in plan.comm if r["op"] == "all_gather" and r["axis"] == "fsdp")
+    weights = sum(leaf.local_bytes() * 2 for leaf in leaves if "fsdp" in leaf.spec.axes())
+    assert gathered >= weights                      # the bound's traffic is in the traced program
+    assert without < bound <= plan.time["step_s"]
+
+
+def test_moe_step_on_a_data_axis_only_all_reduces(clean_process_group):
+    # the MoE layer's tokens-per-expert count is a partial sum per rank: one all-reduce of [E]
+    # per layer, no all-gather of the routing indices; the rest is the gradients' all-reduce
+    cfg = load_config("moe_tiny", ["mesh.dp=2", "train.batch_size=4"])
+    rows = pl.lower_step(cfg).comm_report()
+    assert [(r["op"], r["axis"]) for r in rows] == [("all_reduce", "dp")]
+    from shardfn import models
+
+    params = models.get("moe").init(cfg.model, 0, device="meta")
+    grads = sum(x.numel() * 4 for path, x in flatten_with_paths(params) if not path.endswith("router_bias"))
+    n_moe = cfg.model.n_layers - cfg.model.first_k_dense
+    counts = n_moe * cfg.model.n_experts * 8            # int64 [layers, E]
+    scalars = 3 * 4                                      # loss, ce_loss, balance_loss
+    assert rows[0]["bytes"] == grads + counts + scalars
