@@ -1,8 +1,8 @@
 """Planning Kimi-K2 1T on 1024 and on 4096 simulated ranks: wall time and peak resident memory.
 
 Each case runs in its own process (so its peak RSS is its own) and plans the config's run
-(interleaved 1F1B, 32 microbatches, global batch 16384 x 4096) at ``pp=16, ep=64`` with ``dp``
-filling the rank count. Targets on a 2-core machine: under 60 s and 4 GB per case, and wall time
+(interleaved 1F1B, 128 microbatches or one row each when fewer rows, global batch 16384 x 4096, bfloat16, activation
+checkpointing) at ``pp=16, ep=64`` with ``dp`` filling the rank count. Targets on a 2-core machine: under 60 s and 4 GB per case, and wall time
 growing less than linearly in the rank count (4x the ranks, less than 4x the time).
 
     python benchmarks/bench_plan.py                   # writes benchmarks/results/bench_plan.json
@@ -30,13 +30,17 @@ RESULTS = Path(__file__).resolve().parent / "results" / "bench_plan.json"
 def case(ranks: int, hardware: str = "h200") -> dict:
     """Plan the case in this process; return its numbers (peak RSS of this process included)."""
     tic = time.perf_counter()
+    import torch
+
     from shardfn.core.config import load_config
     from shardfn.partition.plan import make_plan
 
     dp = ranks // (PP * EP)
-    cfg = load_config("kimi_k2_1t", [f"mesh.pp={PP}", f"mesh.ep={EP}", f"mesh.dp={dp}", "mesh.fsdp=1", "mesh.tp=1"])
+    rows = 16384 // (dp * EP)  # the config's global batch per data-parallel rank
+    cfg = load_config("kimi_k2_1t", [f"mesh.pp={PP}", f"mesh.ep={EP}", f"mesh.dp={dp}", "mesh.fsdp=1", "mesh.tp=1",
+                                     f"pipeline.microbatches={min(128, rows)}"])
     imported = time.perf_counter()
-    plan = make_plan(cfg, hardware=hardware)
+    plan = make_plan(cfg, hardware=hardware, dtype=torch.bfloat16, checkpointing=True)
     done = time.perf_counter()
     return {
         "ranks": ranks, "layout": plan.layout.describe(), "traced_mesh": plan.trace["mesh"],
