@@ -124,6 +124,7 @@ class Jitted:
         key = _signature(args)
         if key in self._cache:
             return self._cache[key]
+        args = _global_stand_ins(args)  # a first call may pass DTensors (a resumed run's, or a step's own outputs)
         if _has_auto(self.in_specs):
             from shardfn.partition import auto
 
@@ -192,6 +193,15 @@ def jit(
         loss = step(w, x)
     """
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget)
+
+
+def _global_stand_ins(args) -> Any:
+    """``args`` with each DTensor leaf as an uninitialized plain tensor of its global shape, for
+    tracing (which reads only shapes and dtypes)."""
+    def stand_in(x):
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device) if isinstance(x, DTensor) else x
+
+    return optree.tree_map(stand_in, args, none_is_leaf=False)
 
 
 def _has_auto(specs: Any) -> bool:
