@@ -92,13 +92,18 @@ class MeshConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0  # save every N steps; 0 disables checkpointing
-    dir: str = "runs/checkpoints"  # resumed from automatically when it holds a checkpoint
-    keep: int = 2  # number of most recent checkpoints kept
+    every: int = 0  # save every N steps (and after the last); 0 disables checkpointing
+    dir: str = "runs/checkpoints"  # step_XXXXXXXX/ directories (runtime/checkpoint.py), any mesh loads any
+    keep: int = 2  # number of most recent complete checkpoints kept
+    # auto: resume from the newest complete checkpoint in dir when every > 0; true (--resume):
+    # resume from it, an error if there is none; false: start at step 0, an error if dir holds any
+    resume: Union[bool, str] = "auto"
 
     def validate(self) -> None:
         _check(self.every >= 0, "train.checkpoint.every", "must be >= 0 (0 disables)", self.every)
         _check(self.keep >= 1, "train.checkpoint.keep", "must be >= 1", self.keep)
+        _check(self.resume in ("auto", True, False), "train.checkpoint.resume", "must be auto, true or false",
+               self.resume)
 
 
 @dataclass

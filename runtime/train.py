@@ -4,7 +4,8 @@
 metrics)``: forward, backward, gradient clipping and AdamW in one traceable function with no host
 syncs. It is the function the partitioner traces and shards; :func:`build_step` is the seam where
 the loop gets the callable it runs (plain or ``torch.compile``'d on one device; a partitioned
-``sf.jit`` step for a mesh). :func:`train` is the loop: data, logging, metrics and checkpoints.
+``sf.jit`` step for a mesh). :func:`train` is the loop: data, logging, metrics and checkpoints
+(sharded, atomic, reshardable: ``runtime/checkpoint.py``).
 
     cfg = load_config(None, ["train.steps=20"])
     result = train(cfg, metrics_path="metrics.jsonl")
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -24,9 +24,12 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from shardfn.core import optim
-from shardfn.core.pytree import PyTree, count, map_with_path, tree_flatten, tree_leaves, tree_unflatten
+from shardfn.core.pytree import PyTree, count, map_with_path
 from shardfn.core.transforms import value_and_grad
-from shardfn.runtime import data
+from shardfn.runtime import checkpoint, data
+from shardfn.runtime.checkpoint import (  # noqa: F401  (one format on any mesh; re-exported for the loop's users)
+    checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint,
+)
 
 StepFn = Callable[[PyTree, Any, dict], tuple[PyTree, Any, dict]]
 """``train_step(params, opt_state, batch) -> (params, opt_state, metrics)``."""
@@ -175,78 +178,6 @@ def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepF
     return run
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-_CKPT = re.compile(r"^step_(\d{8})\.pt$")
-
-
-def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
-    """Where the checkpoint after ``step`` steps lives: ``directory/step_00000100.pt``.
-
-    Example:
-        checkpoint_path("runs/ckpt", 100)  # PosixPath('runs/ckpt/step_00000100.pt')
-    """
-    return Path(directory) / f"step_{step:08d}.pt"
-
-
-def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
-    """The checkpoint with the most steps in ``directory``, or None.
-
-    Example:
-        latest_checkpoint("runs/checkpoints")  # PosixPath('runs/checkpoints/step_00000100.pt')
-    """
-    d = Path(directory)
-    found = sorted(p for p in d.glob("step_*.pt") if _CKPT.match(p.name)) if d.is_dir() else []
-    return found[-1] if found else None
-
-
-def save_checkpoint(directory: str | os.PathLike, step: int, params: PyTree, opt_state: Any, *, keep: int = 2) -> Path:
-    """Write ``params`` and ``opt_state`` after ``step`` steps; keep the ``keep`` newest checkpoints.
-
-    The file holds plain tensors (loadable with ``weights_only=True``); the optimizer state is
-    stored as its list of leaves and rebuilt against a freshly initialized state on load.
-
-    Example:
-        save_checkpoint("runs/checkpoints", 100, params, opt_state, keep=2)
-    """
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_path(d, step)
-    tmp = path.with_suffix(".tmp")
-    blob = {"step": step, "params": params, "opt_state": [x.detach().cpu() for x in tree_leaves(opt_state)]}
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
-    old = sorted(p for p in d.glob("step_*.pt") if _CKPT.match(p.name))[:-keep]
-    for p in old:
-        p.unlink(missing_ok=True)
-    return path
-
-
-def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like: Any) -> tuple[int, PyTree, Any]:
-    """``(step, params, opt_state)`` from ``path``, with the structure, dtypes and devices of the ``_like`` trees.
-
-    Example:
-        step, params, opt_state = load_checkpoint(latest_checkpoint(d), params, opt.init(params))
-    """
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    p_leaves, p_def = tree_flatten(params_like)
-    got_leaves, got_def = tree_flatten(blob["params"])
-    if got_def != p_def:
-        raise ValueError(f"checkpoint {path} holds parameters of a different model; point "
-                         "train.checkpoint.dir at a fresh directory or load the matching config.")
-    s_leaves, s_def = tree_flatten(opt_state_like)
-    if len(blob["opt_state"]) != len(s_leaves):
-        raise ValueError(f"checkpoint {path} holds a different optimizer state; point "
-                         "train.checkpoint.dir at a fresh directory or restore the optimizer settings.")
-    for like, got in zip(p_leaves + s_leaves, got_leaves + blob["opt_state"]):
-        if like.shape != got.shape:
-            raise ValueError(f"checkpoint {path}: a tensor has shape {tuple(got.shape)}, expected {tuple(like.shape)}")
-    place = lambda got, like: got.to(device=like.device, dtype=like.dtype)  # noqa: E731
-    params = tree_unflatten(p_def, [place(g, l) for g, l in zip(got_leaves, p_leaves)])
-    opt_state = tree_unflatten(s_def, [place(g, l) for g, l in zip(blob["opt_state"], s_leaves)])
-    return int(blob["step"]), params, opt_state
-
-
 # ----------------------------------------------------------------------------- the loop
 
 
@@ -269,7 +200,9 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
           trace_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train ``cfg.model`` for ``cfg.train.steps`` steps on one device.
 
-    Resumes from the newest checkpoint in ``train.checkpoint.dir`` when checkpointing is on.
+    With ``train.checkpoint.every`` it saves sharded checkpoints to ``train.checkpoint.dir`` and
+    resumes from the newest complete one there, as ``train.checkpoint.resume`` says (see
+    :func:`shardfn.runtime.checkpoint.resume_path`), on any mesh whatever mesh saved it.
 
     Args:
         cfg: a :class:`~shardfn.core.config.RunConfig`.
@@ -309,17 +242,11 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     opt_state = optimizer.init(params)
     start = 0
     ckpt = t.checkpoint
-    if ckpt.every and cfg.mesh.world_size > 1:
-        raise ValueError(
-            f"train.checkpoint.every={ckpt.every} on a mesh of {cfg.mesh.world_size} devices: these "
-            f"checkpoints hold one device's tensors; set train.checkpoint.every=0 for a sharded run"
-        )
-    if ckpt.every:
-        found = latest_checkpoint(ckpt.dir)
-        if found is not None:
-            start, params, opt_state = load_checkpoint(found, params, opt_state)
-            log(f"resuming from {found} (step {start})")
+    found = checkpoint.resume_path(cfg)  # by train.checkpoint.resume; None: step 0
     step_fn = build_step(cfg, model, optimizer, params, opt_state, record=trace_dir is not None)
+    if found is not None:  # in the step's layout: DTensors of its specs on a mesh, whatever mesh saved it
+        start, params, opt_state, *_ = checkpoint.restore(found, cfg, step_fn, params, opt_state)
+        log(f"resuming from {found} (step {start})")
     tokens = data.from_config(cfg.data)
 
     where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
@@ -349,7 +276,7 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
                 log(f"step {done:>{len(str(t.steps))}}/{t.steps}  loss {values['loss']:.4f}  "
                     f"lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}  tok/s {tps:,.0f}")
             if ckpt.every and (done % ckpt.every == 0 or done == t.steps):
-                save_checkpoint(ckpt.dir, done, params, opt_state, keep=ckpt.keep)
+                save_checkpoint(ckpt.dir, done, params, opt_state, keep=ckpt.keep, config=cfg.to_dict())
     finally:
         if sink:
             sink.close()

@@ -89,9 +89,8 @@ def test_short_run_loss_drops(tmp_path):
 def test_resume_is_exact(tmp_path):
     common = [*SMALL, "train.steps=6", "train.checkpoint.every=3", "train.checkpoint.keep=5"]
     full = train(load_config(None, [*common, f"train.checkpoint.dir={tmp_path / 'a'}"]), log=lambda _: None)
-    assert [p.name for p in sorted((tmp_path / "a").iterdir())] == ["step_00000003.pt", "step_00000006.pt"]
-    (tmp_path / "b").mkdir()
-    shutil.copy(tmp_path / "a" / "step_00000003.pt", tmp_path / "b")
+    assert [p.name for p in sorted((tmp_path / "a").iterdir())] == ["step_00000003", "step_00000006"]
+    shutil.copytree(tmp_path / "a" / "step_00000003", tmp_path / "b" / "step_00000003")
     lines = []
     resumed = train(load_config(None, [*common, f"train.checkpoint.dir={tmp_path / 'b'}"]), log=lines.append)
     assert "resuming" in lines[0] and [r["step"] for r in resumed.history] == [4, 5, 6]
@@ -106,9 +105,9 @@ def test_checkpoint_keeps_newest_and_checks_structure(tmp_path):
     state = opt.init(params)
     for step in (1, 2, 3):
         save_checkpoint(tmp_path, step, params, state, keep=2)
-    assert latest_checkpoint(tmp_path).name == "step_00000003.pt"
-    assert len(list(tmp_path.glob("step_*.pt"))) == 2
-    step, p, s = load_checkpoint(latest_checkpoint(tmp_path), params, state)
+    assert latest_checkpoint(tmp_path).name == "step_00000003"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000003"]
+    step, p, s, *_ = load_checkpoint(latest_checkpoint(tmp_path), params, state)
     assert step == 3 and torch.equal(p["w"], params["w"]) and type(s) is type(state)
     with pytest.raises(ValueError, match="different model"):
         load_checkpoint(latest_checkpoint(tmp_path), {"v": torch.ones(2)}, state)

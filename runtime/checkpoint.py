@@ -1,0 +1,416 @@
+"""Checkpoints: sharded, atomic and reshardable, with ``torch.distributed.checkpoint`` (DCP).
+
+One format for every run. On one device the tensors are plain; on a mesh they are the
+partitioned step's DTensors, so every rank writes only its own shards and DCP records each
+tensor's global shape and chunks. Loading reads whatever chunks the *target* layout needs, so a
+checkpoint saved under one mesh loads under any other mesh, or on one device.
+
+Layout on disk (``train.checkpoint.dir``)::
+
+    step_00000100/            a complete checkpoint (the newest ``train.checkpoint.keep`` are kept)
+        .metadata             DCP's index: every key's global shape, dtype and chunks
+        __0_0.distcp ...      the shards, one file per rank
+        meta.json             step, data position, world size, mesh and the run config
+        COMPLETE              written last; a directory without it is never loaded
+    step_00000200.tmp/        a save in progress, or one killed midway: ignored, removed later
+
+Keys: ``params.<path>`` and ``opt_state.<path>`` (dotted pytree paths, NamedTuple fields by
+name: ``opt_state.1.0.mu.layers.attn.wq``), ``train.step``, ``train.data_position`` (batches
+are a pure function of ``(train.seed, step)``, so the position is the step, recorded anyway)
+and ``rng.cpu.rank<r>`` (each rank's torch CPU generator state).
+
+A save writes ``step_N.tmp/``; after every rank's shards are written (a barrier) rank 0 writes
+``meta.json`` and ``COMPLETE``, renames the directory to ``step_N/`` and only then deletes
+checkpoints beyond the newest ``keep``. A save killed at any point leaves the previous
+checkpoint complete and newest. Every rank must see the same directory (one machine, or a
+shared file system).
+
+    save_checkpoint("runs/ckpt", 100, params, opt_state, keep=2)
+    loaded = load_checkpoint(latest_checkpoint("runs/ckpt"), params, opt_state)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from shardfn.core.pytree import PyTree
+
+FORMAT = "shardfn.dcp/1"
+MARKER = "COMPLETE"
+META = "meta.json"
+_DIR = re.compile(r"^step_(\d{8})$")
+_TMP = re.compile(r"^step_(\d{8})\.tmp$")
+
+
+class Loaded(NamedTuple):
+    """What :func:`load_checkpoint` returns."""
+
+    step: int  # optimizer steps taken
+    params: PyTree  # like ``params_like``: plain tensors, or DTensors in its layout
+    opt_state: Any  # like ``opt_state_like``
+    data_position: int  # the step of the next batch
+    rng_state: torch.Tensor | None  # this rank's torch CPU generator state, if saved
+    meta: dict  # meta.json
+
+
+# ----------------------------------------------------------------------------- where
+
+
+def checkpoint_path(directory: str | os.PathLike, step: int) -> Path:
+    """Where the checkpoint after ``step`` steps lives: ``directory/step_00000100``.
+
+    Example:
+        checkpoint_path("runs/ckpt", 100)  # PosixPath('runs/ckpt/step_00000100')
+    """
+    return Path(directory) / f"step_{step:08d}"
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """True for a finished save: a ``step_N`` directory with DCP's index and the marker.
+
+    Example:
+        is_complete("runs/ckpt/step_00000100.tmp")  # False: a save in progress or killed
+    """
+    p = Path(path)
+    return bool(_DIR.match(p.name)) and (p / MARKER).is_file() and (p / ".metadata").is_file()
+
+
+def complete_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The complete checkpoints in ``directory``, oldest first (``.tmp`` and unmarked ones left out).
+
+    Example:
+        complete_checkpoints("runs/ckpt")  # [PosixPath('runs/ckpt/step_00000050'), ...]
+    """
+    d = Path(directory)
+    return sorted(p for p in d.iterdir() if is_complete(p)) if d.is_dir() else []
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the most steps in ``directory``, or None.
+
+    Example:
+        latest_checkpoint("runs/ckpt")  # PosixPath('runs/ckpt/step_00000100')
+    """
+    found = complete_checkpoints(directory)
+    return found[-1] if found else None
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def flat_paths(tree: PyTree, prefix: str) -> list[tuple[str, Any]]:
+    """``[(key, leaf), ...]`` in leaf order; NamedTuple fields by name, dict keys as they are.
+
+    Example:
+        flat_paths({"w": w}, "params")  # [("params.w", w)]
+    """
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)
+    return [(".".join([prefix, *_readable(tree, p)]), leaf) for p, leaf in zip(paths, leaves)]
+
+
+def _readable(tree: Any, path: tuple) -> list[str]:
+    parts, node = [], tree
+    for k in path:
+        fields = getattr(node, "_fields", None) if isinstance(node, tuple) else None
+        parts.append(fields[k] if fields else str(k))
+        node = node[k]
+    return parts
+
+
+def state_dict(step: int, params: PyTree, opt_state: Any, *, rank: int = 0,
+               rng_state: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The flat DCP state dict of a training state (tensors and DTensors as they are).
+
+    Example:
+        sd = state_dict(100, params, opt_state, rng_state=torch.get_rng_state())
+        sorted(sd)[:2]  # ['opt_state.0.global_norm', 'opt_state.1.0.count']
+    """
+    out = {key: leaf for key, leaf in flat_paths(params, "params") + flat_paths(opt_state, "opt_state")}
+    out["train.step"] = torch.tensor(step, dtype=torch.int64)
+    out["train.data_position"] = torch.tensor(step, dtype=torch.int64)
+    if rng_state is not None:
+        out[f"rng.cpu.rank{rank}"] = rng_state
+    return out
+
+
+def distribute(tree: PyTree, specs: Any, mesh) -> PyTree:
+    """``tree``'s leaves as DTensors laid out by ``specs`` (a pytree prefix of ``P``) on ``mesh``.
+
+    Every rank holds the full tree; each keeps its own shard, with no communication. This is
+    the target a sharded load fills in place.
+
+    Example:
+        like = distribute(params, step.specs["params"], step.jitted.mesh)
+    """
+    from shardfn.partition.spec import broadcast_specs
+
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
+    specs = broadcast_specs(specs, tree, what="checkpoint specs")
+    dmesh = mesh.device_mesh
+    out = [distribute_tensor(x.detach(), dmesh, mesh.placements(s, x.ndim), src_data_rank=None)
+           for x, s in zip(leaves, specs)]
+    return optree.tree_unflatten(treedef, out)
+
+
+def target_like(step_fn, params: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
+    """``(params, opt_state)`` in the layout ``step_fn`` keeps them: DTensors by the step's specs
+    for a partitioned step (:func:`~shardfn.runtime.partitioned.partitioned_step`), else as given.
+
+    Example:
+        params_like, opt_like = target_like(step_fn, params, opt_state)
+    """
+    specs, jitted = getattr(step_fn, "specs", None), getattr(step_fn, "jitted", None)
+    if specs is None or jitted is None:
+        return params, opt_state
+    return distribute(params, specs["params"], jitted.mesh), distribute(opt_state, specs["opt_state"], jitted.mesh)
+
+
+# ----------------------------------------------------------------------------- save
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns on every single-process save and load that it assumes one process: it is right."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(directory: str | os.PathLike, step: int, params: PyTree, opt_state: Any, *,
+                    keep: int = 2, config: dict | None = None) -> Path:
+    """Write the state after ``step`` steps to ``directory/step_N`` atomically; keep the ``keep`` newest.
+
+    Collective on a mesh: every rank calls it with its own (DTensor) trees and writes its own
+    shards. ``config`` (``RunConfig.to_dict()``) is recorded in ``meta.json`` so a mismatching
+    load can name the config keys that differ.
+
+    Example:
+        save_checkpoint("runs/ckpt", 100, params, opt_state, keep=2, config=cfg.to_dict())
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1 (train.checkpoint.keep), got {keep}")
+    final = checkpoint_path(directory, step)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    _barrier()
+    sd = state_dict(step, params, opt_state, rank=rank, rng_state=torch.get_rng_state())
+    with _quiet():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+    _barrier()  # every rank's shards are on disk
+    if rank == 0:
+        _write_meta(tmp, step, config)
+        _publish(tmp, final)
+        _prune(Path(directory), keep)
+    _barrier()  # nobody moves on (or saves again) before the checkpoint is in place
+    return final
+
+
+def _write_meta(tmp: Path, step: int, config: dict | None) -> None:
+    meta = {"format": FORMAT, "step": step, "data_position": step, "world_size": _world(),
+            "mesh": (config or {}).get("mesh"), "config": config}
+    (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+    with open(tmp / MARKER, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():  # the same step saved again (a rerun): the new one wins
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself is durable
+    finally:
+        os.close(fd)
+
+
+def _prune(directory: Path, keep: int) -> None:
+    """Delete complete checkpoints beyond the newest ``keep``, and saves that were killed."""
+    for old in complete_checkpoints(directory)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.iterdir():
+        if _TMP.match(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- load
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """``meta.json`` of a checkpoint (``{}`` if it has none).
+
+    Example:
+        read_meta(latest_checkpoint("runs/ckpt"))["step"]  # 100
+    """
+    p = Path(path) / META
+    return json.loads(p.read_text()) if p.is_file() else {}
+
+
+def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like: Any, *,
+                    config: dict | None = None) -> Loaded:
+    """The state saved at ``path``, in the layout, dtypes and devices of the ``_like`` trees.
+
+    Plain ``_like`` leaves load the full tensors (one device); DTensor leaves load this rank's
+    shards of their layout (collective: every rank calls it), whatever mesh saved them. Keys,
+    shapes and dtypes are checked first; a mismatch names the key, and -- when ``config``
+    (``RunConfig.to_dict()``) is given -- the model config keys that differ from the saved run's.
+
+    Example:
+        loaded = load_checkpoint(latest_checkpoint("runs/ckpt"), params, opt.init(params))
+        loaded.step, loaded.params
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker or DCP index); "
+                         f"load one of latest_checkpoint({str(path.parent)!r})")
+    rank = _rank()
+    target = state_dict(0, params_like, opt_state_like)
+    target = {k: (v.detach().clone() if not isinstance(v, DTensor) else v) for k, v in target.items()}
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = read_meta(path)
+    check_compatible(path, saved, target, meta, config)
+    rng_key = f"rng.cpu.rank{rank}" if f"rng.cpu.rank{rank}" in saved else "rng.cpu.rank0"
+    if rng_key in saved:
+        target[rng_key] = torch.empty(saved[rng_key].size, dtype=torch.uint8)
+    with _quiet():
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
+    p_leaves, p_def = optree.tree_flatten(params_like, none_is_leaf=False)
+    s_leaves, s_def = optree.tree_flatten(opt_state_like, none_is_leaf=False)
+    p_keys = [k for k, _ in flat_paths(params_like, "params")]
+    s_keys = [k for k, _ in flat_paths(opt_state_like, "opt_state")]
+    params = optree.tree_unflatten(p_def, [target[k] for k in p_keys])
+    opt_state = optree.tree_unflatten(s_def, [target[k] for k in s_keys])
+    return Loaded(int(target["train.step"]), params, opt_state, int(target["train.data_position"]),
+                  target.get(rng_key), meta)
+
+
+def check_compatible(path: Path, saved: dict, target: dict, meta: dict, config: dict | None) -> None:
+    """Raise ValueError naming the first key whose presence, shape or dtype differs.
+
+    Example:
+        check_compatible(path, reader.read_metadata().state_dict_metadata, state_dict(0, p, s), {}, None)
+    """
+    hint = _config_hint(meta.get("config"), config)
+    fix = (f"{hint}load it with the config it was saved with (its meta.json holds it), or point "
+           f"train.checkpoint.dir at a fresh directory to start a new run")
+    wanted = [k for k in target if k.startswith(("params.", "opt_state."))]  # params first
+    have = sorted((k for k in saved if k.startswith(("params.", "opt_state."))), key=lambda k: not k.startswith("params."))
+    for key in (k for k in wanted if k not in saved):
+        raise ValueError(f"checkpoint {path} has no {key!r}: it holds the state of a different model or "
+                         f"optimizer; {fix}")
+    for key in (k for k in have if k not in target):
+        raise ValueError(f"checkpoint {path} holds {key!r}, which this run's model and optimizer do not "
+                         f"have; {fix}")
+    for key in wanted:
+        got, like = saved[key], target[key]
+        if not isinstance(got, TensorStorageMetadata):
+            raise ValueError(f"checkpoint {path}: {key!r} is not a tensor; {fix}")
+        if tuple(got.size) != tuple(like.shape):
+            raise ValueError(f"checkpoint {path}: {key!r} has shape {tuple(got.size)}, this run's has "
+                             f"{tuple(like.shape)}; {fix}")
+        if got.properties.dtype != like.dtype:
+            raise ValueError(f"checkpoint {path}: {key!r} is {got.properties.dtype}, this run's is "
+                             f"{like.dtype}; {fix}")
+
+
+def _config_hint(saved: dict | None, current: dict | None) -> str:
+    """``"model.n_layers is 2 in the checkpoint and 1 here; "`` for the model keys that differ."""
+    if not saved or not current:
+        return ""
+    a, b = saved.get("model", {}), current.get("model", {})
+    diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    return "".join(f"model.{k} is {a.get(k)!r} in the checkpoint and {b.get(k)!r} here; " for k in diff[:3])
+
+
+# ----------------------------------------------------------------------------- the training loop's use
+
+
+def resume_path(cfg) -> Path | None:
+    """The checkpoint a run of ``cfg`` starts from, by ``train.checkpoint.resume``, or None (step 0).
+
+    ``auto`` (the default): the newest complete checkpoint in ``train.checkpoint.dir`` when
+    checkpointing is on (``every > 0``), so a rerun of a killed job continues it. ``true``
+    (``shardfn train --resume``): that checkpoint, and an error if there is none. ``false``:
+    step 0, and an error if the directory already holds checkpoints (the new ones would mix
+    with them).
+
+    Example:
+        resume_path(load_config(None, ["train.checkpoint.every=50"]))  # None on a first run
+    """
+    ckpt = cfg.train.checkpoint
+    if cfg.mesh.pp > 1 and (ckpt.every or ckpt.resume is True):
+        raise ValueError(f"train.checkpoint: pipeline runs (mesh.pp={cfg.mesh.pp}) keep each stage's state "
+                         f"on its own ranks and are not checkpointed; set train.checkpoint.every=0 and "
+                         f"train.checkpoint.resume=auto, or mesh.pp=1")
+    if ckpt.resume is True:
+        found = latest_checkpoint(ckpt.dir)
+        if found is None:
+            raise ValueError(f"train.checkpoint.resume=true (--resume), but train.checkpoint.dir={ckpt.dir!r} "
+                             f"holds no complete checkpoint; point it at the run's directory, or start "
+                             f"without --resume")
+        return found
+    if not ckpt.every:
+        return None
+    found = latest_checkpoint(ckpt.dir)
+    if ckpt.resume is False and found is not None:
+        raise ValueError(f"train.checkpoint.resume=false, but train.checkpoint.dir={ckpt.dir!r} holds "
+                         f"checkpoints of an earlier run (newest: {found.name}); delete them, choose a fresh "
+                         f"train.checkpoint.dir, or resume (train.checkpoint.resume=auto)")
+    return found
+
+
+def restore(path: str | os.PathLike, cfg, step_fn, params: PyTree, opt_state: Any) -> Loaded:
+    """Load ``path`` for a run of ``cfg`` in ``step_fn``'s layout, and set this rank's CPU RNG state.
+
+    ``params`` and ``opt_state`` are the run's initial trees (every rank holds them whole); on a
+    mesh they become DTensors of the step's specs (:func:`target_like`) before the load, so each
+    rank reads only its shards, whatever layout saved them.
+
+    Example:
+        loaded = restore(resume_path(cfg), cfg, step_fn, params, opt_state)
+    """
+    params_like, opt_like = target_like(step_fn, params, opt_state)
+    loaded = load_checkpoint(path, params_like, opt_like, config=cfg.to_dict())
+    if loaded.data_position != loaded.step:
+        raise ValueError(f"checkpoint {path}: data position {loaded.data_position} differs from its step "
+                         f"{loaded.step}; batches are a pure function of (train.seed, step), so it was not "
+                         f"written by this loop: start a fresh train.checkpoint.dir")
+    if loaded.rng_state is not None:
+        torch.set_rng_state(loaded.rng_state)
+    return loaded
