@@ -122,6 +122,7 @@ class TrainConfig:
     seed: int = 0  # parameter init and batch order
     log_every: int = 10
     compile: bool = False  # torch.compile the training step
+    init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property

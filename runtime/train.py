@@ -237,7 +237,12 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
         log, metrics_path = (lambda line: None), None  # one voice: rank 0 logs and writes metrics
     device = torch.device(cfg.runtime.device)
     model = models.get(cfg.model_name)
-    params = model.init(cfg.model, t.seed, device=device)
+    if t.init_from:  # Hugging Face safetensors (models/hf.py); checkpoints still resume over them
+        from shardfn.models import hf
+
+        params = hf.load(t.init_from, cfg.model_name, cfg.model, device=device)
+    else:
+        params = model.init(cfg.model, t.seed, device=device)
     optimizer = make_optimizer(t)
     opt_state = optimizer.init(params)
     start = 0

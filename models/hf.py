@@ -1,0 +1,484 @@
+"""Hugging Face safetensors checkpoints <-> shardfn parameter trees (``models.llama``, ``models.moe``).
+
+A directory of HF-format ``*.safetensors`` files (with ``model.safetensors.index.json`` when the
+weights are sharded over several files, and optionally the ``config.json`` beside them) loads
+into the pure models' parameter trees, and a tree writes back out the same way:
+
+    params = load("Llama-3-8B/", "llama", cfg.model)                  # the whole tree, float32
+    save("out/", params, "llama", cfg.model, max_shard_bytes=5 << 30)  # *.safetensors + index.json
+    layout("moe", cfg.model)                                          # the mapping below, as data
+
+A run loads its initial parameters from such a directory with ``train.init_from=DIR`` (the
+config key; ``shardfn train train.init_from=DIR``). This module lives in ``models/`` because
+the mapping is knowledge of the models' parameter names; it does no parallelism (every rank
+loads the whole tree, the partitioner shards it).
+
+Name mapping (``i`` an HF layer, ``e`` an expert; ``.T``: HF's ``nn.Linear`` weights are
+``[out, in]``, ours ``[in, out]``; our per-layer tensors are stacked along a leading layers dim,
+the routed experts' along a second, expert dim):
+
+    HF key                                             ours                          how
+    model.embed_tokens.weight                          embed [V, D]                  as is
+    model.norm.weight                                  norm [D]                      as is
+    lm_head.weight                                     out [D, V]                    .T (absent when tie_embeddings)
+    model.layers.{i}.input_layernorm.weight            <stack>.attn_norm [L, D]      stacked
+    model.layers.{i}.post_attention_layernorm.weight   <stack>.mlp_norm [L, D]       stacked
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight   <stack>.attn.w{q,k,v,o}       .T, stacked (GQA)
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight    <dense stack>.mlp.w{1,3,2}    .T, stacked
+  DeepSeek-V3 / Kimi-K2 (models.moe) multi-head latent attention:
+    self_attn.q_a_proj.weight                          attn.wq_a [L, D, q_lora]      .T
+    self_attn.q_a_layernorm.weight                     attn.q_norm [L, q_lora]
+    self_attn.q_b_proj.weight                          attn.wq_b [L, q_lora, H*(n+r)] .T, rope rows de-interleaved
+    self_attn.q_proj.weight (q_lora_rank = 0)          attn.wq [L, D, H*(n+r)]       .T, rope rows de-interleaved
+    self_attn.kv_a_proj_with_mqa.weight                attn.wkv_a [L, D, kv_lora+r]  .T, rope rows de-interleaved
+    self_attn.kv_a_layernorm.weight                    attn.kv_norm [L, kv_lora]
+    self_attn.kv_b_proj.weight                         attn.wkv_b [L, kv_lora, H*(n+v)] .T
+    self_attn.o_proj.weight                            attn.wo [L, H*v, D]           .T
+  DeepSeek-V3 MoE layers (HF layers first_k_dense .. n_layers-1 -> moe_layers 0 .. Lm-1):
+    mlp.gate.weight                                    moe_layers.router [Lm, D, E]  .T
+    mlp.gate.e_score_correction_bias                   moe_layers.router_bias [Lm, E]
+    mlp.experts.{e}.{gate,up,down}_proj.weight         moe_layers.experts.w{1,3,2} [Lm, E, ..] .T, stacked over layers, experts
+    mlp.shared_experts.{gate,up,down}_proj.weight      moe_layers.shared.w{1,3,2}    .T
+
+``<stack>`` is ``layers`` for Llama; for the MoE model it is ``dense_layers`` for HF layers
+``0 .. first_k_dense-1`` and ``moe_layers`` for the rest.
+
+RoPE: our layers use the "rotate half" convention (``core.layers.apply_rope``: dims ``i`` and
+``i + d/2`` share frequency ``i``), which is HF Llama's own (its conversion script permuted
+Meta's interleaved ``wq``/``wk`` rows), so Llama weights load as they are. HF DeepSeek-V3
+(``rope_interleave: true``, its default, and DeepSeek's own modelling code) stores each rotary
+pair adjacently and de-interleaves the rope part of q and k at run time; here the rows that
+produce it (the last ``r`` of each head of ``q_b_proj``/``q_proj``, the last ``r`` of
+``kv_a_proj_with_mqa``) are permuted once at load, ``[0, 2, 4, .., 1, 3, 5, ..]``, so the same
+rotate-half attention gives the same result. ``rope_interleave=False`` (or that key false in
+``config.json``) loads them as they are.
+
+Errors name the HF key: a tensor the model needs that no file holds, a tensor of the wrong shape
+(with the shape expected from the model config), and a tensor the model has no place for (such
+as DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*``, or FP8 ``weight_scale_inv``
+scales; ``ignore=`` takes glob patterns to skip). ``model.layers.*.self_attn.rotary_emb.inv_freq``
+buffers, found in older checkpoints, are always skipped. When ``config.json`` is present its
+sizes are checked against the model config (:func:`check_hf_config`). Not modelled, so refused
+there: RoPE scaling (``rope_scaling``: Llama-3.1 or YaRN), attention or MLP biases.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+import torch
+
+from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
+
+__all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "INDEX_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SKIPPED = ("model.layers.*.self_attn.rotary_emb.inv_freq",)
+"""HF keys that are buffers, not parameters: always skipped."""
+
+
+class HFTensor(NamedTuple):
+    """How one of our parameters is assembled from HF tensors."""
+
+    path: str                        # our dotted path, e.g. "layers.attn.wq"
+    key: str                         # HF name, with {i} (layer) and {e} (expert) placeholders
+    layers: tuple[int, ...] | None   # HF layer indices stacked along our dim 0; None: not stacked
+    experts: int = 0                 # > 0: also stacked over {e} in range(experts), our next dim
+    transpose: bool = False          # HF [out, in] -> our [in, out]
+    rope: tuple[int, int, int] | None = None  # (rows per head, first rope row, rope rows): de-interleave
+
+    def keys(self) -> list[str]:
+        """The HF keys in stacking order (layer-major, then expert).
+
+        Example:
+            layout("llama", cfg)[3].keys()  # ['model.layers.0.self_attn.q_proj.weight', ...]
+        """
+        layers = self.layers if self.layers is not None else (None,)
+        experts = range(self.experts) if self.experts else (None,)
+        return [self.key.format(i=i, e=e) for i in layers for e in experts]
+
+
+# ----------------------------------------------------------------------------- the mapping
+
+
+def _linear(path: str, key: str, layers, **kw) -> HFTensor:
+    return HFTensor(path, key, layers, transpose=True, **kw)
+
+
+def _attention(stack: str, layers: tuple[int, ...], cfg, rope_interleave: bool) -> list[HFTensor]:
+    a, k = f"{stack}.attn", "model.layers.{i}.self_attn"
+    if getattr(cfg, "attention", "gqa") == "gqa":
+        return [_linear(f"{a}.w{x}", f"{k}.{x}_proj.weight", layers) for x in "qkvo"]
+    n, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_rope = (n + r, n, r) if rope_interleave else None
+    kv_rope = (cfg.kv_lora_rank + r, cfg.kv_lora_rank, r) if rope_interleave else None
+    if cfg.q_lora_rank:
+        q = [_linear(f"{a}.wq_a", f"{k}.q_a_proj.weight", layers),
+             HFTensor(f"{a}.q_norm", f"{k}.q_a_layernorm.weight", layers),
+             _linear(f"{a}.wq_b", f"{k}.q_b_proj.weight", layers, rope=q_rope)]
+    else:
+        q = [_linear(f"{a}.wq", f"{k}.q_proj.weight", layers, rope=q_rope)]
+    return q + [
+        _linear(f"{a}.wkv_a", f"{k}.kv_a_proj_with_mqa.weight", layers, rope=kv_rope),
+        HFTensor(f"{a}.kv_norm", f"{k}.kv_a_layernorm.weight", layers),
+        _linear(f"{a}.wkv_b", f"{k}.kv_b_proj.weight", layers),
+        _linear(f"{a}.wo", f"{k}.o_proj.weight", layers),
+    ]
+
+
+def _swiglu(path: str, key: str, layers, experts: int = 0) -> list[HFTensor]:
+    return [_linear(f"{path}.{ours}", f"{key}.{hf}_proj.weight", layers, experts=experts)
+            for ours, hf in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]
+
+
+def _layer_stack(stack: str, layers: tuple[int, ...], cfg, rope_interleave: bool) -> list[HFTensor]:
+    norms = [HFTensor(f"{stack}.attn_norm", "model.layers.{i}.input_layernorm.weight", layers),
+             HFTensor(f"{stack}.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", layers)]
+    return norms + _attention(stack, layers, cfg, rope_interleave)
+
+
+def layout(model_name: str, cfg, *, rope_interleave: bool | None = None) -> list[HFTensor]:
+    """Every parameter of ``model_name`` (``llama`` or ``moe``) and the HF tensors it comes from.
+
+    ``rope_interleave`` (MLA only; default True, as HF DeepSeek-V3): whether the HF q/k rope
+    rows are stored interleaved (see the module docstring).
+
+    Example:
+        [t.path for t in layout("llama", llama.Config())][:3]  # ['embed', 'norm', 'out']
+    """
+    if model_name not in ("llama", "moe"):
+        raise ValueError(f"no Hugging Face mapping for model {model_name!r}; valid models: llama, moe")
+    interleave = True if rope_interleave is None else rope_interleave
+    out = [HFTensor("embed", "model.embed_tokens.weight", None), HFTensor("norm", "model.norm.weight", None)]
+    if not cfg.tie_embeddings:
+        out.append(_linear("out", "lm_head.weight", None))
+    mlp = "model.layers.{i}.mlp"
+    if model_name == "llama":
+        layers = tuple(range(cfg.n_layers))
+        return out + _layer_stack("layers", layers, cfg, False) + _swiglu("layers.mlp", mlp, layers)
+    dense, moe = tuple(range(cfg.first_k_dense)), tuple(range(cfg.first_k_dense, cfg.n_layers))
+    if dense:
+        out += _layer_stack("dense_layers", dense, cfg, interleave) + _swiglu("dense_layers.mlp", mlp, dense)
+    out += _layer_stack("moe_layers", moe, cfg, interleave) + [
+        _linear("moe_layers.router", f"{mlp}.gate.weight", moe),
+        HFTensor("moe_layers.router_bias", f"{mlp}.gate.e_score_correction_bias", moe),
+    ] + _swiglu("moe_layers.experts", f"{mlp}.experts.{{e}}", moe, cfg.n_experts)
+    if cfg.n_shared_experts:
+        out += _swiglu("moe_layers.shared", f"{mlp}.shared_experts", moe)
+    return out
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+def _deinterleave(w: torch.Tensor, rope: tuple[int, int, int], inverse: bool = False) -> torch.Tensor:
+    """HF rows ``[.., x0, x1, x2, x3, ..]`` of each head's rope part -> ``[x0, x2, .., x1, x3, ..]``."""
+    per_head, first, r = rope
+    heads = w.reshape(-1, per_head, *w.shape[1:]).clone()          # [H, rows per head, in]
+    part = heads[:, first:first + r]
+    if inverse:
+        part = torch.stack([part[:, : r // 2], part[:, r // 2:]], dim=2).flatten(1, 2)
+    else:
+        part = torch.cat([part[:, 0::2], part[:, 1::2]], dim=1)
+    heads[:, first:first + r] = part
+    return heads.reshape(w.shape)
+
+
+def _hf_shape(entry: HFTensor, ours: Sequence[int]) -> tuple[int, ...]:
+    """The shape of one HF tensor of ``entry``, given our stacked parameter's shape."""
+    shape = tuple(ours)[(entry.layers is not None) + bool(entry.experts):]
+    return shape[::-1] if entry.transpose else shape
+
+
+def _meta_params(model_name: str, cfg) -> PyTree:
+    from shardfn import models
+
+    return models.get(model_name).init(cfg, 0, device="meta")
+
+
+def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
+            device: torch.device | str = "cpu", rope_interleave: bool | None = None,
+            ignore: Iterable[str] = (), source: str = "the checkpoint") -> PyTree:
+    """Our parameter tree from HF-named tensors (any mapping, e.g. :func:`read_dir`'s).
+
+    Raises:
+        ValueError: naming the HF key of a missing tensor, one of the wrong shape (with the
+            expected shape), or one the model has no place for.
+
+    Example:
+        params = from_hf(safetensors.torch.load_file("model.safetensors"), "llama", cfg)
+        llama.apply(params, tokens, cfg)
+    """
+    entries = layout(model_name, cfg, rope_interleave=rope_interleave)
+    meta = _meta_params(model_name, cfg)
+    shapes = {path: tuple(x.shape) for path, x in flatten_with_paths(meta)}
+    _check_keys(entries, set(tensors), model_name, cfg, [*SKIPPED, *ignore], source)
+    flat = {}
+    for entry in entries:
+        want = _hf_shape(entry, shapes[entry.path])
+        parts = []
+        for key in entry.keys():
+            x = tensors[key]
+            if tuple(x.shape) != want:
+                raise ValueError(f"{source}: {key} has shape {tuple(x.shape)}, but model {model_name!r} with this "
+                                 f"config needs {want} for {entry.path}; check the model.* sizes against the "
+                                 f"checkpoint's config.json")
+            if not x.is_floating_point():
+                raise ValueError(f"{source}: {key} has dtype {x.dtype}; parameters are floating point")
+            x = x.to(torch.float32)
+            if entry.rope is not None:
+                x = _deinterleave(x, entry.rope)
+            parts.append(x.t() if entry.transpose else x)
+        x = torch.stack(parts) if len(parts) > 1 or entry.layers is not None or entry.experts else parts[0]
+        flat[entry.path] = x.reshape(shapes[entry.path]).to(device=device, dtype=dtype).contiguous()
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        if not torch.equal(tensors["lm_head.weight"].to(torch.float32), tensors["model.embed_tokens.weight"].to(torch.float32)):
+            raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
+                             f"model.tie_embeddings is true; set model.tie_embeddings=false to load it")
+    return map_with_path(lambda path, _: flat[path], meta)  # the model's own tree structure and key order
+
+
+def _check_keys(entries, present: set, model_name: str, cfg, ignore: list, source: str) -> None:
+    needed = [k for e in entries for k in e.keys()]
+    missing = [k for k in needed if k not in present]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{source}: missing tensor {missing[0]}{more}, needed by model {model_name!r} with "
+                         f"model.n_layers={cfg.n_layers}; check the model.* sizes against the checkpoint's config.json")
+    known = set(needed) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    extra = sorted(k for k in present - known if not any(fnmatch.fnmatchcase(k, p) for p in ignore))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"{source}: unknown tensor {extra[0]}{more}: model {model_name!r} with this config has "
+                         f"no parameter for it{_extra_hint(extra[0], cfg)}")
+
+
+def _extra_hint(key: str, cfg) -> str:
+    if key.endswith("weight_scale_inv"):
+        return "; this is an FP8 checkpoint's scale: dequantize the weights to bf16 or fp32 first"
+    if key.endswith(".bias"):
+        return "; the models have no biases"
+    parts = key.split(".")
+    if key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() and int(parts[2]) >= cfg.n_layers:
+        return (f"; its layer {parts[2]} is past model.n_layers={cfg.n_layers} (set model.n_layers, or skip "
+                f"extra layers such as a multi-token-prediction layer with ignore=['model.layers.{parts[2]}.*'])")
+    return "; skip it with ignore=[pattern] if it is not a parameter"
+
+
+def to_hf(params: PyTree, model_name: str, cfg, *, rope_interleave: bool | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors of our parameter tree (the inverse of :func:`from_hf`).
+
+    Example:
+        safetensors.torch.save_file(to_hf(params, "llama", cfg), "model.safetensors")
+    """
+    flat = dict(flatten_with_paths(params))
+    out = {}
+    for entry in layout(model_name, cfg, rope_interleave=rope_interleave):
+        x = flat[entry.path].detach().cpu()
+        shape = _hf_shape(entry, x.shape)
+        pieces = x.reshape(-1, *x.shape[(entry.layers is not None) + bool(entry.experts):])
+        for key, piece in zip(entry.keys(), pieces):
+            piece = piece.t() if entry.transpose else piece
+            if entry.rope is not None:
+                piece = _deinterleave(piece, entry.rope, inverse=True)
+            assert tuple(piece.shape) == shape
+            out[key] = piece.contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------- files
+
+
+class SafetensorsDir(Mapping):
+    """The tensors of an HF checkpoint directory, read lazily (one file handle per shard)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        from safetensors import safe_open
+
+        d = Path(directory)
+        if not d.is_dir():
+            raise FileNotFoundError(f"train.init_from: {str(d)!r} is not a directory; give a directory of "
+                                    f"Hugging Face *.safetensors files")
+        self.directory = d
+        index = d / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' "
+                                 f"of tensor name -> file): {e}") from None
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not (d / name).is_file():
+                    key = next(k for k, v in weight_map.items() if v == name)
+                    raise FileNotFoundError(f"{index} maps {key} to {name}, which is not in {d}")
+        else:
+            files = sorted(p.name for p in d.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"train.init_from: {str(d)!r} holds no *.safetensors files (and no {INDEX_FILE})")
+            weight_map = None
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for name in files:
+            try:
+                handle = self._handles[name] = safe_open(str(d / name), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for a bad header
+                raise ValueError(f"{d / name}: not a readable safetensors file ({e})") from None
+            for key in handle.keys():
+                if weight_map is None and key in self._where:
+                    raise ValueError(f"{d}: tensor {key} is in both {self._where[key]} and {name}; "
+                                     f"remove one, or add a {INDEX_FILE} saying which to use")
+                if weight_map is None or weight_map.get(key) == name:
+                    self._where[key] = name
+        if weight_map is not None:
+            for key, name in weight_map.items():
+                if key not in self._where:
+                    raise ValueError(f"{index} maps {key} to {name}, but {name} has no tensor {key}")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._handles[self._where[key]].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def config(self) -> dict | None:
+        """The directory's ``config.json``, or None."""
+        path = self.directory / "config.json"
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON: {e}") from None
+
+
+def read_dir(directory: str | os.PathLike) -> SafetensorsDir:
+    """The HF tensors of ``directory`` as a lazy mapping ``{key: tensor}``.
+
+    Example:
+        sorted(read_dir("Llama-3-8B/"))[:2]  # ['lm_head.weight', 'model.embed_tokens.weight']
+    """
+    return SafetensorsDir(directory)
+
+
+def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
+         device: torch.device | str = "cpu", rope_interleave: bool | None = None,
+         ignore: Iterable[str] = ()) -> PyTree:
+    """Our parameter tree from an HF-format directory (``config.json`` checked when present).
+
+    Example:
+        params = load("Llama-3-8B/", "llama", load_config("llama3_8b").model)
+        llama.apply(params, tokens, cfg)
+    """
+    tensors = read_dir(directory)
+    hf_config = tensors.config()
+    if hf_config is not None:
+        check_hf_config(hf_config, model_name, cfg, source=str(Path(directory) / "config.json"))
+        if rope_interleave is None and model_name == "moe":
+            rope_interleave = bool(hf_config.get("rope_interleave", True))
+    return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
+                   ignore=ignore, source=str(directory))
+
+
+def save(directory: str | os.PathLike, params: PyTree, model_name: str, cfg, *,
+         max_shard_bytes: int | None = None, rope_interleave: bool | None = None) -> list[Path]:
+    """Write ``params`` as HF safetensors (sharded with an index when over ``max_shard_bytes``).
+
+    Example:
+        save("out/", params, "llama", cfg, max_shard_bytes=5 << 30)  # [out/model-00001-of-00002.safetensors, ...]
+    """
+    from safetensors.torch import save_file
+
+    tensors = to_hf(params, model_name, cfg, rope_interleave=rope_interleave)
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    shards: list[dict] = [{}]
+    size = 0
+    for key, x in tensors.items():
+        nbytes = x.numel() * x.element_size()
+        if max_shard_bytes is not None and shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = x
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+        total = sum(x.numel() * x.element_size() for x in tensors.values())
+        (d / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    for name, shard in zip(names, shards):
+        save_file(shard, str(d / name), metadata={"format": "pt"})
+    return [d / n for n in names]
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+_COMMON = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+           "num_attention_heads": "n_heads", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
+           "tie_word_embeddings": "tie_embeddings", "intermediate_size": "ffn_dim"}
+_LLAMA = {**_COMMON, "num_key_value_heads": "n_kv_heads"}
+_DEEPSEEK = {**_COMMON, "first_k_dense_replace": "first_k_dense", "q_lora_rank": "q_lora_rank",
+             "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+             "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "n_experts",
+             "num_experts_per_tok": "top_k", "n_shared_experts": "n_shared_experts",
+             "moe_intermediate_size": "expert_ffn_dim", "scoring_func": "score_func", "n_group": "n_groups",
+             "topk_group": "topk_groups", "routed_scaling_factor": "route_scale", "norm_topk_prob": "norm_topk_prob"}
+MODEL_TYPES = {"llama": ("llama",), "moe": ("deepseek_v3", "kimi_k2")}
+"""HF ``model_type`` values each model loads."""
+
+
+def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.json") -> None:
+    """ValueError naming every ``config.json`` value our ``model`` config disagrees with.
+
+    Only keys present in ``hf`` are compared; RoPE scaling and biases, which the models do not
+    have, are refused.
+
+    Example:
+        check_hf_config({"hidden_size": 4096, "num_hidden_layers": 32}, "llama", cfg)
+    """
+    model_type = hf.get("model_type")
+    if model_type is not None and model_type not in MODEL_TYPES[model_name]:
+        raise ValueError(f"{source}: model_type {model_type!r} is not a {model_name!r} model (model.name={model_name} "
+                         f"loads {', '.join(MODEL_TYPES[model_name])}); set model.name to match the checkpoint")
+    if hf.get("rope_scaling"):
+        raise ValueError(f"{source}: rope_scaling {hf['rope_scaling']} is not modelled (plain RoPE only); "
+                         f"load a checkpoint without RoPE scaling")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{source}: {flag} is true, but the models have no biases")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r}; the models use SwiGLU with silu")
+    table = dict(_LLAMA if model_name == "llama" else _DEEPSEEK)
+    gqa = model_name == "llama" or getattr(cfg, "attention", "mla") == "gqa"
+    if gqa:
+        table.update(num_key_value_heads="n_kv_heads", head_dim="head_dim")
+    wrong = [(hf_key, value, ours) for hf_key, ours in table.items() if hf_key in hf
+             for value in [0 if hf_key == "q_lora_rank" and hf[hf_key] is None else hf[hf_key]]
+             if value is not None and not _same(value, getattr(cfg, ours))]
+    if wrong:
+        what = "; ".join(f"{k}={v!r} but model.{o}={getattr(cfg, o)!r}" for k, v, o in wrong)
+        fixes = " ".join(f"model.{o}={_yaml(v)}" for k, v, o in wrong if o != "head_dim")
+        raise ValueError(f"{source} disagrees with the model config: {what}; "
+                         + (f"override {fixes}" if fixes else "head_dim is model.dim / model.n_heads here"))
+
+
+def _same(value: Any, mine: Any) -> bool:
+    if isinstance(mine, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return abs(float(value) - mine) <= 1e-9 * max(1.0, abs(mine))
+    return value == mine
+
+
+def _yaml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -1,0 +1,280 @@
+"""Hugging Face safetensors import (models/hf.py): against hand-named tensors and HF-convention forwards."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from shardfn import models
+from shardfn.core.config import load_config
+from shardfn.core.pytree import flatten_with_paths
+from shardfn.models import hf
+from shardfn.runtime import data
+from shardfn.runtime.train import train
+
+LLAMA = {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48}
+MOE = {"vocab_size": 64, "dim": 32, "n_layers": 3, "first_k_dense": 1, "n_heads": 2, "q_lora_rank": 16,
+       "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8, "ffn_dim": 48,
+       "n_experts": 4, "top_k": 2, "n_shared_experts": 1, "expert_ffn_dim": 16, "route_scale": 2.5}
+
+
+def _cfg(name, **over):
+    return models.get(name).Config.from_dict({**(LLAMA if name == "llama" else MOE), **over})
+
+
+def _rand(g, *shape, scale=0.2):
+    return torch.randn(*shape, generator=g) * scale
+
+
+def _tokens(vocab=64):
+    return torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+# ----------------------------------------------------------------------------- hand-named HF tensors
+
+
+def llama_hf_tensors(cfg, seed=0):
+    """A Llama checkpoint as HF names it, written out by hand (not through models/hf.py)."""
+    g = torch.Generator().manual_seed(seed)
+    D, H, Hkv, F_, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size
+    hd = D // H
+    sd = {"model.embed_tokens.weight": _rand(g, V, D, scale=1.0), "model.norm.weight": 1 + _rand(g, D),
+          "lm_head.weight": _rand(g, V, D)}
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        sd.update({
+            p + "input_layernorm.weight": 1 + _rand(g, D), p + "post_attention_layernorm.weight": 1 + _rand(g, D),
+            p + "self_attn.q_proj.weight": _rand(g, H * hd, D), p + "self_attn.k_proj.weight": _rand(g, Hkv * hd, D),
+            p + "self_attn.v_proj.weight": _rand(g, Hkv * hd, D), p + "self_attn.o_proj.weight": _rand(g, D, H * hd),
+            p + "mlp.gate_proj.weight": _rand(g, F_, D), p + "mlp.up_proj.weight": _rand(g, F_, D),
+            p + "mlp.down_proj.weight": _rand(g, D, F_),
+        })
+    return sd
+
+
+def deepseek_hf_tensors(cfg, seed=0):
+    """A DeepSeek-V3-style checkpoint as HF names it (MLA, sigmoid router with bias, shared expert)."""
+    g = torch.Generator().manual_seed(seed)
+    D, H, V, E = cfg.dim, cfg.n_heads, cfg.vocab_size, cfg.n_experts
+    n, r, v, kv, qr = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    sd = {"model.embed_tokens.weight": _rand(g, V, D, scale=1.0), "model.norm.weight": 1 + _rand(g, D),
+          "lm_head.weight": _rand(g, V, D)}
+    for i in range(cfg.n_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        sd[f"model.layers.{i}.input_layernorm.weight"] = 1 + _rand(g, D)
+        sd[f"model.layers.{i}.post_attention_layernorm.weight"] = 1 + _rand(g, D)
+        if qr:
+            sd.update({a + "q_a_proj.weight": _rand(g, qr, D), a + "q_a_layernorm.weight": 1 + _rand(g, qr),
+                       a + "q_b_proj.weight": _rand(g, H * (n + r), qr)})
+        else:
+            sd[a + "q_proj.weight"] = _rand(g, H * (n + r), D)
+        sd.update({a + "kv_a_proj_with_mqa.weight": _rand(g, kv + r, D), a + "kv_a_layernorm.weight": 1 + _rand(g, kv),
+                   a + "kv_b_proj.weight": _rand(g, H * (n + v), kv), a + "o_proj.weight": _rand(g, D, H * v)})
+        if i < cfg.first_k_dense:
+            sd.update({m + "gate_proj.weight": _rand(g, cfg.ffn_dim, D), m + "up_proj.weight": _rand(g, cfg.ffn_dim, D),
+                       m + "down_proj.weight": _rand(g, D, cfg.ffn_dim)})
+            continue
+        sd[m + "gate.weight"] = _rand(g, E, D, scale=1.0)
+        sd[m + "gate.e_score_correction_bias"] = _rand(g, E)
+        for e in range(E):
+            for proj, shape in (("gate_proj", (cfg.expert_ffn_dim, D)), ("up_proj", (cfg.expert_ffn_dim, D)),
+                                ("down_proj", (D, cfg.expert_ffn_dim))):
+                sd[f"{m}experts.{e}.{proj}.weight"] = _rand(g, *shape)
+        Fs = cfg.n_shared_experts * cfg.expert_ffn_dim
+        sd.update({m + "shared_experts.gate_proj.weight": _rand(g, Fs, D), m + "shared_experts.up_proj.weight": _rand(g, Fs, D),
+                   m + "shared_experts.down_proj.weight": _rand(g, D, Fs)})
+    return sd
+
+
+# ----------------------------------------------------------------------------- HF-convention forwards
+
+
+def _norm(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _rope(S, d, theta):
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
+    freqs = torch.arange(S).float()[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _softmax_attention(q, k, v, scale):
+    S = q.shape[2]
+    scores = (q @ k.transpose(-1, -2)) * scale + torch.full((S, S), float("-inf")).triu(1)
+    return scores.softmax(-1) @ v  # [B, H, S, dv]
+
+
+def _swiglu(x, sd, p):
+    return F.linear(F.silu(F.linear(x, sd[p + "gate_proj.weight"])) * F.linear(x, sd[p + "up_proj.weight"]),
+                    sd[p + "down_proj.weight"])
+
+
+def hf_llama_logits(sd, tokens, cfg):
+    """HF LlamaForCausalLM's math, written from its conventions: [out, in] weights, rotate_half, repeat_kv."""
+    B, S = tokens.shape
+    H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
+    cos, sin = _rope(S, hd, cfg.rope_theta)
+    h = sd["model.embed_tokens.weight"][tokens]
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        x = _norm(h, sd[p + "input_layernorm.weight"], cfg.norm_eps)
+        q, k, v = (F.linear(x, sd[p + f"self_attn.{n}_proj.weight"]).view(B, S, -1, hd).transpose(1, 2) for n in "qkv")
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = (t[:, :, None].expand(B, Hkv, H // Hkv, S, hd).reshape(B, H, S, hd) for t in (k, v))  # repeat_kv
+        o = _softmax_attention(q, k, v, 1 / math.sqrt(hd)).transpose(1, 2).reshape(B, S, H * hd)
+        h = h + F.linear(o, sd[p + "self_attn.o_proj.weight"])
+        h = h + _swiglu(_norm(h, sd[p + "post_attention_layernorm.weight"], cfg.norm_eps), sd, p + "mlp.")
+    return F.linear(_norm(h, sd["model.norm.weight"], cfg.norm_eps), sd["lm_head.weight"])
+
+
+def _interleaved_rope(x, cos, sin):
+    b, h, s, d = x.shape  # HF DeepSeek-V3 (rope_interleave): pairs (2i, 2i+1) -> halves, then rotate_half
+    x = x.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    return x * cos + _rotate_half(x) * sin
+
+
+def hf_deepseek_logits(sd, tokens, cfg):
+    """HF DeepseekV3ForCausalLM's math (no YaRN): MLA with interleaved rope, sigmoid router + bias."""
+    B, S = tokens.shape
+    H, n, r, vd = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    cos, sin = _rope(S, r, cfg.rope_theta)
+    h = sd["model.embed_tokens.weight"][tokens]
+    for i in range(cfg.n_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        x = _norm(h, sd[f"model.layers.{i}.input_layernorm.weight"], cfg.norm_eps)
+        if cfg.q_lora_rank:
+            q = F.linear(_norm(F.linear(x, sd[a + "q_a_proj.weight"]), sd[a + "q_a_layernorm.weight"], cfg.norm_eps),
+                         sd[a + "q_b_proj.weight"])
+        else:
+            q = F.linear(x, sd[a + "q_proj.weight"])
+        q_pass, q_rot = q.view(B, S, H, n + r).transpose(1, 2).split([n, r], dim=-1)
+        k_pass, k_rot = F.linear(x, sd[a + "kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, r], dim=-1)
+        kv = F.linear(_norm(k_pass, sd[a + "kv_a_layernorm.weight"], cfg.norm_eps), sd[a + "kv_b_proj.weight"])
+        k_pass, value = kv.view(B, S, H, n + vd).transpose(1, 2).split([n, vd], dim=-1)
+        q_rot, k_rot = _interleaved_rope(q_rot, cos, sin), _interleaved_rope(k_rot.view(B, 1, S, r), cos, sin)
+        q, k = torch.cat([q_pass, q_rot], -1), torch.cat([k_pass, k_rot.expand(B, H, S, r)], -1)
+        o = _softmax_attention(q, k, value, (n + r) ** -0.5).transpose(1, 2).reshape(B, S, H * vd)
+        h = h + F.linear(o, sd[a + "o_proj.weight"])
+        x = _norm(h, sd[f"model.layers.{i}.post_attention_layernorm.weight"], cfg.norm_eps)
+        if i < cfg.first_k_dense:
+            h = h + _swiglu(x, sd, m)
+            continue
+        flat = x.reshape(B * S, -1)
+        scores = F.linear(flat, sd[m + "gate.weight"]).sigmoid()
+        idx = (scores + sd[m + "gate.e_score_correction_bias"]).topk(cfg.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.route_scale
+        y = _swiglu(flat, sd, m + "shared_experts.")
+        for e in range(cfg.n_experts):
+            y = y + ((idx == e) * w).sum(-1, keepdim=True) * _swiglu(flat, sd, f"{m}experts.{e}.")
+        h = h + y.view(B, S, -1)
+    return F.linear(_norm(h, sd["model.norm.weight"], cfg.norm_eps), sd["lm_head.weight"])
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def _write(directory, sd, shards=1):
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = sorted(sd)
+    if shards == 1:
+        save_file(sd, str(directory / "model.safetensors"))
+        return directory
+    weight_map = {}
+    for s in range(shards):
+        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: sd[k].contiguous() for k in keys[s::shards]}
+        save_file(part, str(directory / name))
+        weight_map.update({k: name for k in part})
+    (directory / hf.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def test_llama_hand_named_checkpoint_matches_an_hf_convention_forward(tmp_path):
+    cfg = _cfg("llama")
+    sd = llama_hf_tensors(cfg)
+    params = hf.load(_write(tmp_path / "llama", sd, shards=3), "llama", cfg)
+    tokens = _tokens()
+    ours = models.get("llama").apply(params, tokens, cfg)
+    torch.testing.assert_close(ours, hf_llama_logits(sd, tokens, cfg), rtol=1e-4, atol=1e-4)
+    assert params["layers"]["attn"]["wq"].shape == (2, 32, 32)  # stacked, [in, out]
+    torch.testing.assert_close(params["layers"]["attn"]["wk"][1], sd["model.layers.1.self_attn.k_proj.weight"].T)
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, 0])
+def test_deepseek_hand_named_checkpoint_matches_an_hf_convention_forward(tmp_path, q_lora_rank):
+    cfg = _cfg("moe", q_lora_rank=q_lora_rank)
+    sd = deepseek_hf_tensors(cfg)
+    params = hf.load(_write(tmp_path / "ds", sd), "moe", cfg)
+    tokens = _tokens()
+    ours = models.get("moe").apply(params, tokens, cfg)
+    torch.testing.assert_close(ours, hf_deepseek_logits(sd, tokens, cfg), rtol=1e-4, atol=1e-4)
+    experts = params["moe_layers"]["experts"]
+    assert experts["w1"].shape == (2, 4, 32, 16) and experts["w2"].shape == (2, 4, 16, 32)
+    torch.testing.assert_close(experts["w2"][1, 3], sd["model.layers.2.mlp.experts.3.down_proj.weight"].T)
+    torch.testing.assert_close(params["moe_layers"]["router_bias"][0], sd["model.layers.1.mlp.gate.e_score_correction_bias"])
+
+
+def test_rope_interleave_false_loads_rows_as_they_are(tmp_path):
+    cfg = _cfg("moe")
+    sd = deepseek_hf_tensors(cfg)
+    d = _write(tmp_path / "ds", sd)
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "rope_interleave": False}))
+    plain = hf.load(d, "moe", cfg)
+    torch.testing.assert_close(plain["moe_layers"]["attn"]["wkv_a"][0], sd["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].T)
+    interleaved = hf.from_hf(sd, "moe", cfg)
+    assert not torch.equal(plain["moe_layers"]["attn"]["wkv_a"], interleaved["moe_layers"]["attn"]["wkv_a"])
+
+
+@pytest.mark.parametrize("name,over", [("llama", {}), ("llama", {"tie_embeddings": True}), ("moe", {}),
+                                       ("moe", {"attention": "gqa", "n_kv_heads": 1, "first_k_dense": 0})])
+def test_our_params_round_trip_through_hf_files(tmp_path, name, over):
+    cfg = _cfg(name, **over)
+    model = models.get(name)
+    params = model.init(cfg, seed=3)
+    files = hf.save(tmp_path / "out", params, name, cfg, max_shard_bytes=40_000)
+    assert len(files) > 1 and (tmp_path / "out" / hf.INDEX_FILE).is_file()
+    loaded = hf.load(tmp_path / "out", name, cfg)
+    for (p1, a), (p2, b) in zip(flatten_with_paths(params), flatten_with_paths(loaded)):
+        assert p1 == p2 and torch.equal(a, b), p1
+    tokens = _tokens()
+    torch.testing.assert_close(model.apply(loaded, tokens, cfg), model.apply(params, tokens, cfg), rtol=0, atol=0)
+
+
+def test_layout_documents_every_parameter():
+    for name in ("llama", "moe"):
+        cfg = _cfg(name)
+        ours = {p for p, _ in flatten_with_paths(models.get(name).init(cfg, 0, device="meta"))}
+        assert {t.path for t in hf.layout(name, cfg)} == ours
+    keys = [k for t in hf.layout("moe", _cfg("moe")) for k in t.keys()]
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys and "model.layers.0.mlp.gate_proj.weight" in keys
+    assert len(keys) == len(set(keys)) == len(deepseek_hf_tensors(_cfg("moe")))
+
+
+def test_bf16_checkpoint_loads_as_float32(tmp_path):
+    cfg = _cfg("llama")
+    sd = {k: v.to(torch.bfloat16) for k, v in llama_hf_tensors(cfg).items()}
+    params = hf.load(_write(tmp_path / "bf16", sd), "llama", cfg)
+    assert params["embed"].dtype == torch.float32
+    torch.testing.assert_close(params["embed"], sd["model.embed_tokens.weight"].float())
+
+
+def test_train_init_from_starts_at_the_checkpoints_loss(tmp_path):
+    cfg = load_config(None, ["model.n_layers=1", "train.steps=1", "train.batch_size=2", "train.seq_len=16"])
+    params = models.get("llama").init(cfg.model, seed=7)
+    hf.save(tmp_path / "ckpt", params, "llama", cfg.model)
+    cfg = load_config(None, ["model.n_layers=1", "train.steps=1", "train.batch_size=2", "train.seq_len=16",
+                             f"train.init_from={tmp_path / 'ckpt'}"])
+    result = train(cfg, log=lambda line: None)
+    batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=2, seq_len=16, seed=cfg.train.seed)
+    expected = float(models.get("llama").loss(params, batch, cfg.model))
+    assert result.history[0]["loss"] == pytest.approx(expected, rel=1e-6)
