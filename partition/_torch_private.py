@@ -7,6 +7,9 @@
 - ``_StridedShard.local_shard_size_and_offset``: run outside the tracing modes when its sizes
   are plain ints (:func:`eager_strided_shard_sizes`), so planning a redistribution does not
   trace index tensors one element at a time.
+- ``_ops.utils.redistribute_cost``: memoized per lowering (:func:`memoized_redistribute_costs`);
+  DTensor asks it for the same (source, target) pair thousands of times while expanding op
+  strategies over a 2-D mesh.
 """
 
 from __future__ import annotations
@@ -110,3 +113,45 @@ def eager_strided_shard_sizes():
         yield
     finally:
         _StridedShard.local_shard_size_and_offset = original
+
+
+@contextlib.contextmanager
+def memoized_redistribute_costs():
+    """While active, DTensor's strategy expansion reuses the cost of redistributing one spec to
+    another (a pure function of the two specs, meshes included) instead of planning it again.
+
+        with memoized_redistribute_costs():
+            gm = make_fx(local_fn, tracing_mode="fake")(*example)
+    """
+    from torch.distributed.tensor._ops import utils
+
+    original = utils.redistribute_cost
+    costs: dict = {}
+
+    def memoized(src, dst):
+        try:
+            key = (src, dst)
+            hit = costs.get(key)
+        except TypeError:  # an unhashable spec: ask every time
+            return original(src, dst)
+        if hit is None:
+            hit = costs[key] = original(src, dst)
+        return hit
+
+    utils.redistribute_cost = memoized
+    try:
+        yield
+    finally:
+        utils.redistribute_cost = original
+
+
+@contextlib.contextmanager
+def faster_propagation():
+    """:func:`eager_strided_shard_sizes` and :func:`memoized_redistribute_costs` together: the
+    same lowering, minutes faster on 2-D meshes.
+
+        with faster_propagation():
+            gm = make_fx(local_fn, tracing_mode="fake")(*example)
+    """
+    with eager_strided_shard_sizes(), memoized_redistribute_costs():
+        yield

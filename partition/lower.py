@@ -80,7 +80,7 @@ def lower(
         return result
 
     example = local_inputs(traced, mesh, in_placements)
-    with private.eager_strided_shard_sizes():
+    with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
     return Lowered(gm, list(in_placements), list(out_placements), example)
 
