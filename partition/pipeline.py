@@ -46,6 +46,28 @@ class PipelineError(ValueError):
     """The model cannot be split as asked; the message names the value and the config key."""
 
 
+_DIFFERENTIABLE: dict[Any, Callable] = {}
+
+
+def register_differentiable(op: Any, fn: Callable) -> None:
+    """Make stage programs call ``fn`` where the traced loss called the custom op ``op``.
+
+    A custom op's own autograd (``register_autograd``) does not run under ``torch.func``
+    transforms, and :func:`trace_joint` differentiates each stage with ``torch.func.vjp``. ``fn``
+    takes the op's arguments and returns its result through a ``torch.autograd.Function`` with
+    ``setup_context``, so the joint records the op forward and its backward op as opaque calls.
+
+        register_differentiable(torch.ops.shardfn.grouped_mm.default, grouped_mm)
+    """
+    _DIFFERENTIABLE[op] = fn
+
+
+def _differentiable_ops() -> dict[Any, Callable]:
+    from shardfn.core.grouped_mm import grouped_mm
+
+    return {torch.ops.shardfn.grouped_mm.default: grouped_mm, **_DIFFERENTIABLE}
+
+
 # ----------------------------------------------------------------------------- small types
 
 
@@ -300,6 +322,9 @@ def node_flops(node: fx.Node) -> float:
     if node.op != "call_function":
         return 0.0
     val = _val(node)
+    expert = _expert_flops(node)
+    if expert is not None:
+        return expert
     packet = getattr(node.target, "overloadpacket", None)
     if packet is not None:
         from torch.utils.flop_counter import flop_registry
@@ -316,6 +341,21 @@ def node_flops(node: fx.Node) -> float:
     if isinstance(val, torch.Tensor) and not _is_view(node):
         return float(val.numel())
     return 0.0
+
+
+def _expert_flops(node: fx.Node) -> float | None:
+    """``2*T*K*N`` for ``shardfn::grouped_mm``; for ``shardfn::ep_experts`` (the expert-parallel
+    exchange, whose experts run inside it) its three grouped GEMMs over ``T * top_k`` rows, as
+    if this rank's experts received an even share of the tokens. None for other ops."""
+    schema = getattr(node.target, "_schema", None)
+    name = schema.name if schema is not None else None
+    if name == "shardfn::grouped_mm":
+        x, w = _val(node.args[0]), _val(node.args[1])
+        return 2.0 * x.shape[0] * x.shape[1] * (w.shape[2] if w.dim() == 3 else w.shape[1])
+    if name == "shardfn::ep_experts":
+        x, idx, w1 = _val(node.args[0]), _val(node.args[1]), _val(node.args[3])
+        return 3 * 2.0 * idx.numel() * x.shape[1] * w1.shape[2]
+    return None
 
 
 def _is_view(node: fx.Node) -> bool:
@@ -664,6 +704,10 @@ def _build_stage(plan: _Plan, ranges, traced: TracedLoss, *, is_last: bool) -> S
     for node in [n for n in gm.graph.nodes if n.target is _SPLIT]:  # the cut is made: markers are identities
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
+    differentiable = _differentiable_ops()
+    for node in gm.graph.nodes:  # custom ops -> their torch.func-differentiable form (trace_joint)
+        if node.op == "call_function" and node.target in differentiable:
+            node.target = differentiable[node.target]
     gm.recompile()
     stage = Stage(
         index=plan.index, forward=gm, param_paths=param_paths, layer_ranges=layer_ranges, param_specs=specs,
@@ -721,8 +765,18 @@ def trace_joint(stage: Stage, device: torch.device | str = "cpu") -> tuple[fx.Gr
     specs += [stage.out_spec]
     names = [f"param:{p}" for p in stage.param_paths] + (["x"] if has_x else [])
     names += [f"data:{p}" for p in stage.data_paths] + ["dy"]
-    gm = make_fx(torch.func.functionalize(joint), tracing_mode="fake")(*_fake_inputs(specs, torch.device(device)))
-    return gm, names
+    fakes = _fake_inputs(specs, torch.device(device))
+    if not _calls_differentiable(fwd):
+        return make_fx(torch.func.functionalize(joint), tracing_mode="fake")(*fakes), names
+    # functionalize has no rule for autograd.Functions: trace the joint first (the Functions become
+    # their forward and backward ops), then functionalize that graph.
+    raw = make_fx(joint, tracing_mode="fake")(*fakes)
+    return make_fx(torch.func.functionalize(raw), tracing_mode="fake")(*fakes), names
+
+
+def _calls_differentiable(gm: fx.GraphModule) -> bool:
+    wrapped = set(_differentiable_ops().values())
+    return any(n.op == "call_function" and n.target in wrapped for n in gm.graph.nodes)
 
 
 def _data_spec(stage: Stage, path: str) -> TensorSpec:
