@@ -221,6 +221,44 @@ def _(handle, grad_y, weights, w1, w2, w3, s1, s2, s3):
     return [torch.empty_like(t) for t in like]
 
 
+class _ExpertExchange(torch.autograd.Function):
+    """``shardfn::ep_experts`` with ``shardfn::ep_experts_backward`` as its derivative, in the form
+    ``torch.func`` transforms accept (``setup_context``): pipeline stages differentiate it with
+    ``torch.func.vjp``, and their joint graphs keep both ops as opaque calls."""
+
+    @staticmethod
+    def forward(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor):
+        y, info = torch.ops.shardfn.ep_experts(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts,
+                                               capacity_factor)
+        return y, info
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, _, weights, w1, w2, w3, s1, s2, s3 = inputs[:9]
+        ctx.shared = s1 is not None
+        ctx.save_for_backward(output[1], weights, w1, w2, w3, *((s1, s2, s3) if ctx.shared else ()))
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad_y, _):
+        info, weights, w1, w2, w3, *s = ctx.saved_tensors
+        s1, s2, s3 = s if ctx.shared else (None, None, None)
+        dx, dweights, dw1, dw2, dw3, *ds = torch.ops.shardfn.ep_experts_backward(
+            info, grad_y.contiguous(), weights, w1, w2, w3, s1, s2, s3)
+        return (dx, None, dweights, dw1, dw2, dw3, *(ds or (None, None, None)), None, None, None)
+
+
+def ep_experts(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name: str, n_experts: int,
+               capacity_factor: float = 0.0) -> list[torch.Tensor]:
+    """``torch.ops.shardfn.ep_experts`` made differentiable (``torch.autograd`` and ``torch.func``):
+    ``[y [T, D], info [2]]``; the backward runs ``shardfn::ep_experts_backward`` (two all-to-alls).
+
+        y, _ = ep_experts(x, idx, w, w1, w2, w3, None, None, None, ep_group.group_name, 8)
+    """
+    return list(_ExpertExchange.apply(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts,
+                                      capacity_factor))
+
+
 def _group(name: str):
     from shardfn.partition._torch_private import resolve_group
 
