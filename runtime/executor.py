@@ -10,8 +10,10 @@ validator checks). Buffers have static shapes, known from the fake trace.
 
 :func:`make_pipeline_step` wraps it into a training step with the same contract as a one-device
 step, ``(params_local, opt_state_local, global_batch) -> (params_local, opt_state_local,
-metrics)``: gradients are averaged over ``dp``, the gradient norm is summed over all stages so
-clipping matches one device, then the optimizer updates this rank's parameters only.
+metrics)``: gradients are averaged over ``dp`` (and ``ep``, which splits the batch too and, in
+MoE models, each layer's experts: ``runtime.pipeline_experts``), the gradient norm is summed
+over all stages so clipping matches one device, then the optimizer updates this rank's
+parameters only (and MoE routers' selection bias moves by auxiliary-loss-free balancing).
 
     step = make_pipeline_step(pipe, schedule, mesh, optimizer, grad_clip=1.0)
     params_local = step.scatter(params); opt_state = optimizer.init(params_local)
@@ -26,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -288,8 +290,9 @@ def dp_shard(batch: dict, dp_rank: int, dp: int) -> dict:
 
     def rows(t):
         if t.shape[0] % dp:
-            raise ValueError(f"a batch leaf has {t.shape[0]} rows, not divisible by mesh.dp={dp}; "
-                             f"make train.batch_size a multiple of mesh.dp x pipeline.microbatches")
+            raise ValueError(f"a batch leaf has {t.shape[0]} rows, not divisible by the {dp} data-parallel ranks "
+                             f"(mesh.dp x mesh.ep); make train.batch_size a multiple of mesh.dp x mesh.ep x "
+                             f"pipeline.microbatches")
         n = t.shape[0] // dp
         return t[dp_rank * n:(dp_rank + 1) * n]
 
@@ -341,13 +344,25 @@ class PipelineStep:
     record: bool = False
     last_run: RunResult | None = None   # the latest step's schedule run (events, held bytes)
     last_grads: dict | None = None      # the latest step's gradients (dp-averaged, before clipping)
+    ep: int = 1                         # expert-parallel size: the experts are split, the batch too
+    ep_rank: int = 0
+    ep_group: Any = None
+    experts: Any = None                 # an ExpertLayout (runtime.pipeline_experts) for MoE models
 
     @property
     def stages(self) -> tuple[int, ...]:
         return self.schedule.stages_of(self.pp_rank)
 
+    @property
+    def expert_dims(self) -> dict[str, int]:
+        """``path -> dim`` of the leaves split over ``ep`` (empty without expert parallelism)."""
+        return self.experts.dims if self.experts is not None and self.ep > 1 else {}
+
     def scatter(self, params: PyTree) -> dict:
         """This rank's local tree from the full parameter tree (copies: the full tree can be freed)."""
+        from shardfn.runtime.pipeline_experts import shard_experts
+
+        params = shard_experts(params, self.expert_dims, self.ep_rank, self.ep)
         return {stage_key(s): _nest({p: t.detach().clone() for p, t in stage_params(params, self.pipe, s).items()})
                 for s in self.stages}
 
@@ -360,7 +375,13 @@ class PipelineStep:
         return out
 
     def gather(self, params_local: dict) -> PyTree:
-        """The full parameter tree on every ``pp`` rank: each stage's owner broadcasts its slices."""
+        """The full parameter tree on every rank: each stage's owner broadcasts its slices over
+        ``pp``, then the expert slices are all-gathered over ``ep``."""
+        from shardfn.runtime.pipeline_experts import gather_experts
+
+        return gather_experts(self._gather_stages(params_local), self.expert_dims, self.ep, self.ep_group)
+
+    def _gather_stages(self, params_local: dict) -> PyTree:
         mine = self.held(params_local)
         held = {}
         for s, stage in enumerate(self.pipe.stages):
@@ -403,16 +424,21 @@ class PipelineStep:
         return write_chrome_trace(events, path)
 
     def __call__(self, params_local: dict, opt_state: Any, global_batch: dict) -> tuple[dict, Any, dict]:
-        batch = dp_shard(global_batch, self.dp_rank, self.dp)
+        from shardfn.runtime import moe_dispatch, pipeline_experts
+
+        batch = dp_shard(global_batch, self.dp_rank * self.ep + self.ep_rank, self.dp * self.ep)
         mbs = split_microbatches(batch, self.schedule.n_microbatches)
+        pipeline_experts.take_counts()
+        moe_dispatch.reset_stats()  # exchange_stats() reports this step's all-to-alls
         out = run_schedule(self.pipe, self.schedule, self.pp_rank, self.held(params_local), mbs,
                            group=self.pp_group, record=self.record)
         self.last_run = out
-        grads = {stage_key(s): _nest(out.grads[s]) for s in self.stages}
-        if self.dp > 1:
-            grads = _all_reduce_mean(grads, self.dp, self.dp_group)
+        counts = pipeline_experts.take_counts()
+        grads = self._reduce_grads({stage_key(s): _nest(out.grads[s]) for s in self.stages})
         self.last_grads = grads
-        norm = global_grad_norm(grads, self.pp_group, over=self.schedule.n_ranks > 1)
+        sharded = (lambda path: pipeline_experts.expert_dim(path, self.expert_dims) is not None) if self.ep > 1 else None
+        norm = global_grad_norm(grads, self.pp_group, over=self.schedule.n_ranks > 1, ep_group=self.ep_group,
+                                sharded=sharded)
         if self.grad_clip is not None:
             scale = torch.clamp(self.grad_clip / (norm + 1e-6), max=1.0)
             grads = tree_map(lambda g: g * scale.to(g.dtype), grads)
@@ -420,10 +446,56 @@ class PipelineStep:
         params_local = optim.apply_updates(params_local, updates)
         loss = out.loss if out.loss is not None else torch.zeros((), device=norm.device)
         loss = _sum_over(loss.detach().clone(), self.pp_group, over=self.schedule.n_ranks > 1)
-        loss = _sum_over(loss, self.dp_group, over=self.dp > 1) / self.dp
+        loss = _sum_over(loss, self.dp_group, over=self.dp > 1)
+        loss = _sum_over(loss, self.ep_group, over=self.ep > 1) / (self.dp * self.ep)
         lr = optim.find_state(opt_state, optim.ScaleByLearningRateState)
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr.lr if lr is not None else torch.zeros(())}
+        if self.experts is not None and self.experts.bias_path is not None:
+            params_local, load = self._balance_router_bias(params_local, counts)
+            metrics.update(load)
         return params_local, opt_state, metrics
+
+    def _reduce_grads(self, grads: dict) -> dict:
+        """Gradients of the mean loss over the whole batch: every leaf summed over the ranks that
+        hold the same values and divided by the ``dp x ep`` ranks the batch was split over. An
+        expert slice's gradient already sums every ``ep`` rank's tokens (the all-to-all backward),
+        so it is summed over ``dp`` only."""
+        from shardfn.runtime.pipeline_experts import expert_dim
+
+        if self.ep == 1:
+            return _all_reduce_mean(grads, self.dp, self.dp_group) if self.dp > 1 else grads
+        items, treedef = flatten_with_paths(grads), tree_flatten(grads)[1]
+        split = [expert_dim(p, self.expert_dims) is not None for p, _ in items]
+        replicated = _all_reduce_mean([g for (_, g), e in zip(items, split) if not e], self.ep, self.ep_group)
+        experts = [g / self.ep for (_, g), e in zip(items, split) if e]
+        if self.dp > 1:
+            replicated = _all_reduce_mean(replicated, self.dp, self.dp_group)
+            experts = _all_reduce_mean(experts, self.dp, self.dp_group)
+        rep, exp = iter(replicated), iter(experts)
+        return tree_unflatten(treedef, [next(exp) if e else next(rep) for e in split])
+
+    def _balance_router_bias(self, params_local: dict, counts: dict[int, torch.Tensor]) -> tuple[dict, dict]:
+        """``params_local`` with each held router-bias row moved by auxiliary-loss-free balancing
+        from the whole batch's tokens per expert (this rank's counts summed over ``dp``, ``ep``
+        and ``pp``), and the per-layer load metrics of the one-device step."""
+        from shardfn.core.moe import update_expert_bias
+        from shardfn.runtime.pipeline_experts import load_metrics
+
+        lay = self.experts
+        total = torch.zeros((lay.n_layers, lay.n_experts), dtype=torch.int64, device=_device(self.held(params_local)))
+        for layer, c in counts.items():
+            total[layer] += c.to(total.device)
+        for group, n in ((self.dp_group, self.dp), (self.ep_group, self.ep), (self.pp_group, self.schedule.n_ranks)):
+            _sum_over(total, group, over=n > 1)
+        out = dict(params_local)
+        for s in self.stages:
+            if lay.bias_path not in self.pipe.stages[s].param_paths:
+                continue
+            l0, l1 = self.pipe.stages[s].layer_ranges.get(lay.bias_path, (0, lay.n_layers))
+            flat = dict(flatten_with_paths(out[stage_key(s)]))
+            flat[lay.bias_path] = update_expert_bias(flat[lay.bias_path], total[l0:l1], lay.bias_update_rate)
+            out[stage_key(s)] = _nest(flat)
+        return out, load_metrics(total)
 
 
 def _map_trees(fn, state: Any, match) -> Any:
@@ -470,33 +542,49 @@ def _all_reduce_mean(tree: PyTree, n: int, group) -> PyTree:
     return tree_unflatten(treedef, out)
 
 
-def global_grad_norm(grads: PyTree, pp_group, *, over: bool = True) -> torch.Tensor:
+def global_grad_norm(grads: PyTree, pp_group, *, over: bool = True, ep_group=None,
+                     sharded: Callable[[str], bool] | None = None) -> torch.Tensor:
     """The L2 norm of the gradients of every stage: local sums of squares added over ``pp``.
 
     Gradients are already averaged over ``dp`` (the replicas agree), so the sum over the
-    ``pp`` group is the sum over the whole model, as one device computes it.
+    ``pp`` group is the sum over the whole model, as one device computes it. Leaves whose path
+    satisfies ``sharded`` (expert slices) differ over ``ep_group``: their squares are summed
+    over it first; the replicated leaves are counted once.
 
         norm = global_grad_norm(grads_local, pp_group)   # over=False on a one-rank pipeline
     """
-    leaves = [t for _, t in flatten_with_paths(grads)]
-    sq = torch.stack([torch.sum(torch.square(t.to(torch.float32))) for t in leaves]).sum() if leaves else torch.zeros(())
+    items = flatten_with_paths(grads)
+
+    def sum_sq(leaves):
+        return torch.stack([torch.sum(torch.square(t.to(torch.float32))) for t in leaves]).sum() if leaves else torch.zeros(())
+
+    if sharded is None:
+        sq = sum_sq([t for _, t in items])
+    else:
+        split = sum_sq([t for p, t in items if sharded(p)])
+        sq = sum_sq([t for p, t in items if not sharded(p)]) + _sum_over(split, ep_group, over=True)
     return torch.sqrt(_sum_over(sq, pp_group, over=over))
 
 
 def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer: optim.GradientTransformation | None = None,
-                       *, grad_clip: float | None = None, compile: bool = False, record: bool = False) -> PipelineStep:
+                       *, grad_clip: float | None = None, compile: bool = False, record: bool = False,
+                       experts=None) -> PipelineStep:
     """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
 
     Args:
         pipe: the split loss (``schedule.n_stages`` stages).
         schedule: e.g. ``get_schedule("1f1b", n_ranks=mesh.axes["pp"], n_microbatches=8)``.
-        mesh: a ``shardfn.Mesh`` with a ``pp`` axis (and optionally ``dp``; other axes of size 1),
-            or None for the default process group as the ``pp`` group.
+        mesh: a ``shardfn.Mesh`` with a ``pp`` axis (and optionally ``dp`` and ``ep``; other axes
+            of size 1), or None for the default process group as the ``pp`` group. The batch is
+            split over ``dp x ep``.
         optimizer: a transform without clipping (e.g. :func:`pipeline_optimizer`); clipping
             needs the norm over all stages, so it is ``grad_clip`` here.
         grad_clip: max global gradient norm (as ``optim.clip_by_global_norm``), or None.
         compile: ``torch.compile`` every F / I / W program.
         record: time every action (``step.last_run.events``) and track held bytes.
+        experts: for an MoE model, its ``pipeline_experts.ExpertLayout``: the leaves split over
+            ``ep`` (``pipe`` traced with this rank's slices, through
+            ``pipeline_experts.stage_loss``) and the router bias that the step balances.
 
     Example:
         step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2}), adamw(1e-3))
@@ -509,10 +597,11 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                          "clip_by_global_norm and set grad_clip=..., which clips by the norm over all stages")
     _check_fit(pipe, schedule)
     pp_rank, dp_rank, dp, pp_group, dp_group = 0, 0, 1, None, None
+    ep_rank, ep, ep_group = 0, 1, None
     if mesh is not None:
-        extra = {k: v for k, v in mesh.axes.items() if k not in ("pp", "dp") and v > 1}
+        extra = {k: v for k, v in mesh.axes.items() if k not in ("pp", "dp", "ep") and v > 1}
         if extra:
-            raise NotImplementedError(f"pipeline parallelism composes with dp only so far; mesh has {extra}")
+            raise NotImplementedError(f"pipeline parallelism composes with dp and ep only so far; mesh has {extra}")
         coord = mesh.coordinate()
         pp = mesh.axes.get("pp", 1)
         if pp != schedule.n_ranks:
@@ -523,6 +612,12 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
         dp = mesh.axes.get("dp", 1)
         dp_rank = coord.get("dp", 0)
         dp_group = mesh.device_mesh.get_group("dp") if dp > 1 else None
+        ep, ep_rank = mesh.axes.get("ep", 1), coord.get("ep", 0)
+        ep_group = mesh.device_mesh.get_group("ep") if ep > 1 else None
+        if ep > 1 and experts is not None:
+            from shardfn.runtime.pipeline_experts import check_divides
+
+            check_divides(experts.n_experts, ep)
     elif schedule.n_ranks > 1:
         pp_rank = dist.get_rank()
     if schedule.n_ranks > 1 and not schedule.has_communication:
@@ -531,16 +626,20 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
         for s in schedule.stages_of(pp_rank):
             for part in (pipe.stages[s].F, pipe.stages[s].I, pipe.stages[s].W):
                 part.compile()
-    return PipelineStep(pipe, schedule, optimizer, grad_clip, pp_rank, dp_rank, dp, pp_group, dp_group, record)
+    return PipelineStep(pipe, schedule, optimizer, grad_clip, pp_rank, dp_rank, dp, pp_group, dp_group, record,
+                        ep=ep, ep_rank=ep_rank, ep_group=ep_group, experts=experts)
 
 
 def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool = False) -> PipelineStep:
     """The pipeline training step of a run config (``mesh.pp > 1``), for this rank.
 
     Reads ``pipeline.schedule``, ``pipeline.microbatches`` and ``pipeline.stages`` (null: one
-    stage per rank, two for ``interleaved_1f1b`` and ``dualpipev``), ``mesh.pp`` and
-    ``mesh.dp``, and the ``train`` section's optimizer, clipping, batch size and sequence length.
-    Only this rank's stages get F / I / W programs. ``params`` gives shapes (real or fake).
+    stage per rank, two for ``interleaved_1f1b`` and ``dualpipev``), ``mesh.pp``, ``mesh.dp``
+    and ``mesh.ep``, and the ``train`` section's optimizer, clipping, batch size and sequence
+    length. Only this rank's stages get F / I / W programs. ``params`` gives shapes (real or
+    fake). With ``mesh.ep > 1`` an MoE model's stages hold ``n_experts / ep`` experts per layer
+    and exchange tokens over ``ep`` (``runtime.pipeline_experts``); the batch is split over
+    ``dp x ep`` either way.
 
     Example:
         step = build_pipeline_step(cfg, llama, params)
@@ -550,11 +649,21 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     import shardfn as sf
     from shardfn.runtime.schedules import get_schedule
 
-    pp, dp = cfg.mesh.pp, cfg.mesh.dp
-    others = {k: v for k, v in cfg.mesh.axes().items() if k not in ("pp", "dp") and v > 1}
+    from shardfn.runtime import pipeline_experts
+
+    pp, dp, ep = cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep
+    others = {k: v for k, v in cfg.mesh.axes().items() if k not in ("pp", "dp", "ep") and v > 1}
     if others:
-        raise NotImplementedError(f"pipeline parallelism composes with mesh.dp only so far; set "
-                                  f"{', '.join(f'mesh.{k}=1' for k in others)}")
+        raise NotImplementedError(f"pipeline parallelism composes with mesh.dp and mesh.ep only so far; set "
+                                  f"{', '.join(f'mesh.{k}=1' for k in others)} (mesh.dp splits the batch "
+                                  f"instead, mesh.ep the experts)")
+    experts = pipeline_experts.expert_layout(model, cfg.model, params)
+    if ep > 1 and experts is not None:
+        pipeline_experts.check_divides(experts.n_experts, ep)
+        rule = cfg.rules.get("expert")
+        if rule != "ep" and list(rule or []) != ["ep"]:
+            raise ValueError(f"rules.expert={rule!r} with mesh.ep={ep} and mesh.pp={pp}: pipeline stages split "
+                             f"the routed experts over ep only; set rules.expert=ep (or mesh.ep=1)")
     p = cfg.pipeline
     virtual = None
     if p.stages is not None:
@@ -563,20 +672,23 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
                              f"{pp * max(1, p.stages // pp)} or null (one stage per rank)")
         virtual = p.stages // pp
     sched = get_schedule(p.schedule, pp, p.microbatches, virtual)
-    rows = cfg.train.batch_size // (dp * p.microbatches)
-    if rows * dp * p.microbatches != cfg.train.batch_size:
-        raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.dp x "
-                         f"pipeline.microbatches = {dp * p.microbatches}; make it a multiple of it")
+    rows = cfg.train.batch_size // (dp * ep * p.microbatches)
+    if rows * dp * ep * p.microbatches != cfg.train.batch_size:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} is not divisible by mesh.dp x mesh.ep x "
+                         f"pipeline.microbatches = {dp * ep * p.microbatches}; make it a multiple of it")
     tokens = torch.zeros(rows, cfg.train.seq_len, dtype=torch.long, device=next(iter(_leaves(params))).device)
     if mesh is None:
-        mesh = sf.Mesh({"pp": pp, "dp": dp})
-    rank = mesh.coordinate()["pp"]
+        mesh = sf.Mesh({"pp": pp, "dp": dp, "ep": ep})
+    coord = mesh.coordinate()
+    ep_group = mesh.device_mesh.get_group("ep") if ep > 1 and experts is not None else None
+    if ep_group is not None:  # traced with this rank's experts: [n_experts / ep, ...] slices
+        params = pipeline_experts.shard_experts(params, experts.dims, coord["ep"], ep)
     from shardfn.partition.pipeline import build_pipeline
 
-    pipe = build_pipeline(lambda prm, b: model.loss(prm, b, cfg.model), params,
-                          {"inputs": tokens, "targets": tokens}, sched.n_stages, split=sched.stages_of(rank))
+    pipe = build_pipeline(pipeline_experts.stage_loss(model, cfg.model, ep_group), params,
+                          {"inputs": tokens, "targets": tokens}, sched.n_stages, split=sched.stages_of(coord["pp"]))
     return make_pipeline_step(pipe, sched, mesh, pipeline_optimizer(cfg.train), grad_clip=cfg.train.grad_clip,
-                              compile=cfg.train.compile, record=record)
+                              compile=cfg.train.compile, record=record, experts=experts)
 
 
 def _leaves(tree: PyTree) -> list:
