@@ -1087,8 +1087,8 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         notes.append("all_to_all over ep is estimated for uniform routing; the runtime records the real bytes")
     if not prof.full:
         notes.append("embedding, final norm, output head and loss are charged to the last stage")
-    if layout.pp > 1 and any(getattr(layout, a) > 1 for a in ("fsdp", "ep", "tp")):
-        notes.append("planned only: the pipeline executor composes mesh.pp with mesh.dp alone so far")
+    if layout.pp > 1 and any(getattr(layout, a) > 1 for a in ("fsdp", "tp")):
+        notes.append("planned only: the pipeline executor composes mesh.pp with mesh.dp and mesh.ep so far")
     return Plan(
         model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(dtype), layout=layout,
         batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
