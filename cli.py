@@ -73,6 +73,10 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="mesh.pp > 1: write the last step's real action timings as a Chrome trace")
+    parser.add_argument("--resume", action="store_true",
+                        help="resume from the newest complete checkpoint in train.checkpoint.dir; an error if "
+                             "there is none (without it, train.checkpoint.resume decides: by default a run "
+                             "with train.checkpoint.every > 0 resumes when the directory holds one)")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="spawn N local gloo ranks (default: runtime.nproc, else 1); under torchrun "
                              "the launcher's ranks are used")
@@ -88,9 +92,16 @@ def _train_rank(cfg_dict: dict, metrics: str | None, trace: str | None = None) -
 def _train(args: argparse.Namespace) -> int:
     import os
 
+    from shardfn.runtime.checkpoint import resume_path
     from shardfn.runtime.train import train
 
+    if args.resume:
+        args.overrides = [*args.overrides, "train.checkpoint.resume=true"]
     cfg = config_from_args(args)
+    try:
+        resume_path(cfg)  # --resume with nothing to resume, or a pipeline run: a usage error, before any launch
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     world = cfg.mesh.world_size
     nproc = args.nproc or cfg.runtime.nproc or world
     if nproc != world:
