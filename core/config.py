@@ -106,6 +106,10 @@ class CheckpointConfig:
                self.resume)
 
 
+NONFINITE = ("raise", "skip")
+"""``train.nonfinite``: what a step with a NaN/Inf loss or gradient norm does (runtime/train.py)."""
+
+
 @dataclass
 class TrainConfig:
     steps: int = 100
@@ -123,6 +127,7 @@ class TrainConfig:
     log_every: int = 10
     compile: bool = False  # torch.compile the training step
     init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf.py)
+    nonfinite: str = "raise"  # a NaN/Inf loss or grad_norm: "raise" stops the run, "skip" skips that update
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
@@ -140,6 +145,7 @@ class TrainConfig:
         _check(0 <= self.b2 < 1, "train.b2", "must be in [0, 1)", self.b2)
         _check(self.eps > 0, "train.eps", "must be > 0", self.eps)
         _check(self.grad_clip is None or self.grad_clip > 0, "train.grad_clip", "must be > 0 or null", self.grad_clip)
+        _check(self.nonfinite in NONFINITE, "train.nonfinite", f"must be one of {', '.join(NONFINITE)}", self.nonfinite)
         self.checkpoint.validate()
 
 

@@ -1,10 +1,29 @@
 """Process launch: run a function on N local ranks over gloo (or under torchrun's environment).
 
 Every rank gets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT on a free port; results come back in rank
-order. If any rank fails or the deadline passes, every rank is stopped and reaped, and the error
-names the rank.
+order. If any rank fails, dies or hangs, every rank is stopped and reaped, and :class:`RankFailed`
+names the rank that caused it:
 
     results = spawn(work, nproc=2, args=(cfg,), timeout_s=120)   # [rank0_result, rank1_result]
+
+Faults, and how long they take to stop a run (``timeout_s`` is ``runtime.timeout_s`` for
+``shardfn train``):
+
+- A rank raises: its error (with its traceback) is the message.
+- A rank dies (a signal, ``os._exit``, the OOM killer): the launcher sees its exit within a
+  fraction of a second; the ranks talking to it fail on the closed connection.
+- A rank hangs: the ranks waiting for it in a collective fail after ``timeout_s`` (the process
+  group's timeout, subgroups included), and the rank that neither finished nor failed is named.
+- Nothing moves: when no rank has reported progress (:func:`progress`, called once per training
+  step; the start counts as progress) for ``timeout_s`` plus :data:`GRACE_S`, every rank is stopped
+  and the message gives the last step each reached. Without progress calls this bounds the run.
+
+Children run in their own process group (their own subprocesses, such as compile workers, are
+stopped with them) and die with the launcher (``PR_SET_PDEATHSIG`` on Linux), so nothing is left
+behind.
+
+Test hook: ``SHARDFN_TEST_FAULT=KIND:RANK:STEP`` (``KIND`` one of ``kill``, ``hang``, ``raise``)
+makes that rank SIGKILL itself, sleep forever, or raise when it calls ``progress(STEP)``.
 """
 
 from __future__ import annotations
@@ -12,6 +31,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -19,6 +39,19 @@ from typing import Any, Callable
 
 import torch
 import torch.multiprocessing as mp
+
+GRACE_S = 10.0
+"""How much longer than ``timeout_s`` the launcher waits for progress: long enough for the ranks'
+own collective timeouts to fire first, so the message can say which rank they were waiting for."""
+
+SETTLE_S = 3.0
+"""After the first failure, how long the launcher gathers the other ranks' reports and exit codes
+before it names the cause (a killed rank's peers often report first)."""
+
+FAULT_ENV = "SHARDFN_TEST_FAULT"
+FAULT_KINDS = ("kill", "hang", "raise")
+
+_progress = None  # (rank, shared steps array, shared times array) inside a spawned child
 
 
 class RankFailed(RuntimeError):
@@ -31,18 +64,72 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results, timeout_s: float) -> None:
+# ----------------------------------------------------------------------------- in the ranks
+
+
+def progress(step: int) -> None:
+    """Tell the launcher this rank reached ``step`` (a no-op outside :func:`spawn`; no syncs).
+
+    Also where the ``SHARDFN_TEST_FAULT`` hook fires (see the module docstring).
+
+    Example:
+        for step in range(steps):
+            progress(step)
+    """
+    if _progress is not None:
+        rank, steps, times = _progress
+        steps[rank] = step
+        times[rank] = time.monotonic()
+    fault = os.environ.get(FAULT_ENV)
+    if fault:
+        _inject(fault, step)
+
+
+def _inject(fault: str, step: int) -> None:
+    kind, _, rest = fault.partition(":")
+    rank, _, at = rest.partition(":")
+    if kind not in FAULT_KINDS or not rank.isdigit() or not at.isdigit():
+        raise ValueError(f"{FAULT_ENV}={fault!r}: write KIND:RANK:STEP with KIND one of {', '.join(FAULT_KINDS)}")
+    if int(os.environ.get("RANK", "0")) != int(rank) or step != int(at):
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "raise":
+        raise RuntimeError(f"fault injected by {FAULT_ENV}={fault} at step {step}")
+    while True:  # hang
+        time.sleep(3600)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the launcher dies, so no rank outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
+           steps, times) -> None:
     import datetime
 
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
+    global _progress
+    os.setpgrp()
+    _die_with_parent()
+    _progress = (rank, steps, times)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = timeout  # the subgroups a DeviceMesh creates get it too (default 30 min)
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", timeout=timeout)
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles that die with this process
@@ -55,47 +142,158 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
             dist.destroy_process_group()
 
 
+# ----------------------------------------------------------------------------- the launcher
+
+
 def spawn(fn: Callable, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` gloo ranks; return the per-rank results in rank order.
 
-    ``fn`` must be importable (a module-level function). Raises RankFailed naming the first rank
-    that failed, died or did not finish within ``timeout_s``.
+    ``fn`` must be importable (a module-level function). ``timeout_s`` is each collective's
+    timeout and, plus :data:`GRACE_S`, the longest the run may go without :func:`progress`.
+
+    Raises:
+        RankFailed: naming the rank that raised, died or hung (see the module docstring), after
+            every rank has been stopped and reaped.
+
+    Example:
+        spawn(work, nproc=2, args=(cfg,), timeout_s=120)  # [rank0_result, rank1_result]
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    steps = ctx.Array("q", [-1] * nproc, lock=False)
+    times = ctx.Array("d", [0.0] * nproc, lock=False)
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, nproc, port, fn, args, results, timeout_s), daemon=True)
+        ctx.Process(target=_child, args=(r, nproc, port, fn, args, results, timeout_s, steps, times), daemon=True)
         for r in range(nproc)
     ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
+    errors: dict[int, str] = {}
+    start = time.monotonic()
     try:
         while len(out) < nproc:
-            try:
-                rank, status, value = results.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
-                    raise RankFailed(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
-                if time.monotonic() > deadline:
-                    missing = [r for r in range(nproc) if r not in out]
-                    raise RankFailed(f"rank {missing[0]} did not finish within {timeout_s:.0f} s") from None
-                continue
-            if status == "error":
-                raise RankFailed(f"rank {rank} failed: {value}")
-            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            _collect(results, out, errors, timeout=0.2)
+            exits = {r: p.exitcode for r, p in enumerate(procs)}
+            failed = errors or any(code not in (None, 0) and r not in out for r, code in exits.items())
+            if failed:
+                _settle(results, procs, out, errors)
+                raise RankFailed(blame(nproc, out, errors, {r: p.exitcode for r, p in enumerate(procs)}, timeout_s))
+            last = max([start, *times])
+            if time.monotonic() - last > timeout_s + GRACE_S:
+                raise RankFailed(_stalled(nproc, out, list(steps), time.monotonic() - last, timeout_s))
         for p in procs:
-            p.join(timeout=max(1.0, deadline - time.monotonic()))
+            p.join(timeout=timeout_s)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _stop(procs)
     return [out[r] for r in range(nproc)]
+
+
+def _collect(results, out: dict, errors: dict, timeout: float) -> None:
+    """Move every report waiting in ``results`` into ``out`` (results) or ``errors``."""
+    try:
+        rank, status, value = results.get(timeout=timeout)
+        while True:
+            if status == "error":
+                errors[rank] = value
+            else:
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            rank, status, value = results.get_nowait()
+    except queue.Empty:
+        return
+
+
+def _settle(results, procs, out: dict, errors: dict) -> None:
+    """Gather reports for up to :data:`SETTLE_S`, until every rank has reported or exited."""
+    until = time.monotonic() + SETTLE_S
+    while time.monotonic() < until:
+        _collect(results, out, errors, timeout=0.1)
+        if all(r in out or r in errors or p.exitcode is not None for r, p in enumerate(procs)):
+            _collect(results, out, errors, timeout=0.1)  # a report may trail its sender's exit
+            return
+
+
+def _stop(procs) -> None:
+    """Terminate, then kill, every child and its process group; reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for p in procs:  # whatever the ranks started (compile workers, ...) is in their process group
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, TypeError):
+            pass
+
+
+# ----------------------------------------------------------------------------- messages
+
+_COMM_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Broken pipe",
+                "DistBackendError", "DistNetworkError", "Socket Timeout", "Connection refused")
+
+
+def is_comm_error(report: str) -> bool:
+    """True when a rank's error report (``Type: message`` and traceback) is a failed collective.
+
+    Example:
+        is_comm_error("RuntimeError: [gloo/pair.cc:553] Connection closed by peer ...")  # True
+    """
+    head = report.split("\n", 1)[0]
+    return any(marker in head for marker in _COMM_ERRORS)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code} without reporting an error"
+
+
+def _first_line(report: str) -> str:
+    return report.split("\n", 1)[0][:300]
+
+
+def blame(nproc: int, out: dict, errors: dict[int, str], exits: dict[int, int | None], timeout_s: float) -> str:
+    """The :class:`RankFailed` message: which rank caused the failure, and what the others saw.
+
+    In order: a rank that died without reporting; a rank whose error is not a failed collective;
+    a rank that neither finished nor failed while the others' collectives failed (it hung); the
+    first failed collective.
+
+    Example:
+        blame(2, {}, {0: "RuntimeError: ... Connection closed by peer"}, {0: 1, 1: -9}, 30)
+        # 'rank 1 died: it was killed by SIGKILL; then rank 0 failed: RuntimeError: ... Connection closed by peer'
+    """
+    others = lambda cause: "".join(  # noqa: E731
+        f"; then rank {r} failed: {_first_line(text)}" for r, text in sorted(errors.items()) if r != cause)
+    dead = [r for r in range(nproc) if r not in out and r not in errors and exits.get(r) not in (None, 0)]
+    if dead:
+        r = dead[0]
+        return f"rank {r} died: it {_exit_text(exits[r])}{others(r)}"
+    own = [r for r, text in sorted(errors.items()) if not is_comm_error(text)]
+    if own:
+        return f"rank {own[0]} failed: {errors[own[0]]}{others(own[0])}"
+    silent = [r for r in range(nproc) if r not in out and r not in errors]
+    waiting = ", ".join(str(r) for r in sorted(errors))
+    if silent:
+        r = silent[0]
+        return (f"rank {r} hung: it neither finished nor failed while rank(s) {waiting} waited for it in a "
+                f"collective for runtime.timeout_s={timeout_s:g} s and failed: {_first_line(errors[min(errors)])}")
+    r = min(errors)
+    return f"rank {r} failed in a collective: {errors[r]}{others(r)}"
+
+
+def _stalled(nproc: int, out: dict, steps: list[int], idle_s: float, timeout_s: float) -> str:
+    missing = [r for r in range(nproc) if r not in out]
+    reached = ", ".join(f"rank {r} step {steps[r]}" if steps[r] >= 0 else f"rank {r} no step" for r in missing)
+    behind = min(missing, key=lambda r: steps[r])
+    return (f"rank {behind} did not finish: no rank made progress for {idle_s:.0f} s (runtime.timeout_s="
+            f"{timeout_s:g} s + {GRACE_S:g} s); ranks {', '.join(map(str, missing))} did not finish (last step "
+            f"reached: {reached}). Raise runtime.timeout_s if a step or the start really takes this long")

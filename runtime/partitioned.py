@@ -68,7 +68,9 @@ def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend:
     from shardfn.runtime.train import make_train_step
 
     specs = layout(cfg, model, params, opt_state, mesh)
-    step = with_expert_regions(make_train_step(model, cfg.model, constrained(optimizer, specs["params"])), cfg, mesh, specs)
+    skip = cfg.train.nonfinite == "skip"  # the torch.where over params and state is traced and partitioned too
+    step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"]), skip_nonfinite=skip)
+    step = with_expert_regions(step, cfg, mesh, specs)
     if backend == "default":
         backend = "inductor" if cfg.train.compile else None
     fsdp = (0,) if mesh.axes.get("fsdp", 1) > 1 else ()

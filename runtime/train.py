@@ -24,8 +24,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from shardfn.core import optim
-from shardfn.core.pytree import PyTree, count, map_with_path
+from shardfn.core.pytree import PyTree, count, map_with_path, tree_map
 from shardfn.core.transforms import value_and_grad
+from shardfn.runtime import launch
 from shardfn.runtime import checkpoint, data
 from shardfn.runtime.checkpoint import (  # noqa: F401  (one format on any mesh; re-exported for the loop's users)
     checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint,
@@ -65,7 +66,8 @@ def make_optimizer(train_cfg) -> optim.GradientTransformation:
     return optim.chain(optim.clip_by_global_norm(t.grad_clip), adamw) if t.grad_clip else adamw
 
 
-def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -> StepFn:
+def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *,
+                    skip_nonfinite: bool = False) -> StepFn:
     """The pure training step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     One call does the loss and its gradient, the optimizer update and
@@ -83,6 +85,8 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -
             ``loss_and_aux(params, batch, cfg)``.
         model_cfg: that model's ``Config``.
         optimizer: e.g. :func:`make_optimizer`'s.
+        skip_nonfinite: when this step's loss or gradient norm is NaN/Inf, return the incoming
+            ``params`` and ``opt_state`` unchanged (:func:`keep_finite`; ``train.nonfinite=skip``).
 
     Returns:
         ``train_step``; its ``metrics`` are 0-d tensors: ``loss``, ``grad_norm`` (before
@@ -97,6 +101,7 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -
     grad_fn = value_and_grad(lambda params, batch: loss(params, batch, model_cfg), has_aux=has_aux)
 
     def train_step(params, opt_state, batch):
+        before = (params, opt_state)
         value, grads = grad_fn(params, batch)
         loss, aux = value if has_aux else (value, {})
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -118,9 +123,24 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation) -
             load = counts.amax(-1) / counts.mean(-1).clamp_min(1.0)
             for i in range(load.shape[0]):
                 metrics[f"expert_load_max_over_mean/{i}"] = load[i]
+        if skip_nonfinite:
+            params, opt_state = keep_finite((params, opt_state), before, metrics)
         return params, opt_state, metrics
 
     return train_step
+
+
+def keep_finite(new: Any, old: Any, metrics: dict) -> Any:
+    """``new`` where ``metrics["loss"]`` and ``metrics["grad_norm"]`` are finite, else ``old``.
+
+    A ``torch.where`` per leaf on a 0-d flag: no host sync, so it traces into (partitioned,
+    compiled) steps, and the loop learns of a skip from the metrics it reads anyway.
+
+    Example:
+        params, opt_state = keep_finite((new_params, new_state), (params, opt_state), metrics)
+    """
+    ok = torch.isfinite(metrics["loss"]) & torch.isfinite(metrics["grad_norm"])
+    return tree_map(lambda n, o: torch.where(ok, n, o), new, old)
 
 
 def _balance_router_bias(params: PyTree, counts: torch.Tensor, model_cfg) -> PyTree:
@@ -154,7 +174,7 @@ def build_step(cfg, model, optimizer: optim.GradientTransformation, params: PyTr
         from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
 
         return partitioned_step(cfg, model, optimizer, params, opt_state, mesh_from_config(cfg))
-    step = make_train_step(model, cfg.model, optimizer)
+    step = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip")
     if cfg.train.compile:
         step = torch.compile(step)
     return step
@@ -172,7 +192,10 @@ def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepF
         if not (isinstance(params, dict) and params and all(k.startswith("stage") for k in params)):
             params = step.scatter(params)
             opt_state = step.optimizer.init(params)
-        return step(params, opt_state, batch)
+        new_params, new_state, metrics = step(params, opt_state, batch)
+        if cfg.train.nonfinite == "skip":  # loss and grad_norm are global: every rank skips alike
+            new_params, new_state = keep_finite((new_params, new_state), (params, opt_state), metrics)
+        return new_params, new_state, metrics
 
     run.write_trace = step.write_trace  # Chrome trace of the latest step's actions, all ranks
     return run
@@ -188,6 +211,16 @@ class TrainResult(NamedTuple):
     opt_state: Any
     history: list  # one dict per step run: step, loss, grad_norm, lr, tokens_per_s, time_s
     seconds: float  # wall time of the loop (compilation included)
+
+
+def nonfinite_message(values: dict) -> str | None:
+    """``"loss is nan, grad_norm is inf"`` when a step's loss or grad_norm is not finite, else None.
+
+    Example:
+        nonfinite_message({"loss": float("nan"), "grad_norm": 1.0})  # 'loss is nan'
+    """
+    bad = [f"{k} is {values[k]}" for k in ("loss", "grad_norm") if k in values and not math.isfinite(values[k])]
+    return ", ".join(bad) or None
 
 
 def is_main_rank() -> bool:
@@ -262,18 +295,26 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     loop_start = time.perf_counter()
     try:
         for step in range(start, t.steps):
+            launch.progress(step)  # under `spawn`: the launcher's view of this rank (and test faults)
             batch = data.get_batch(tokens, step, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, device=device)
             tic = time.perf_counter()
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             values = {k: float(v) for k, v in metrics.items()}  # the one host sync per step
             seconds = time.perf_counter() - tic
             record = {"step": step + 1, **values, "tokens_per_s": t.tokens_per_step / seconds, "time_s": seconds}
+            bad = nonfinite_message(values)
+            if bad and t.nonfinite == "skip":
+                record["skipped"] = True
             history.append(record)
             if sink:
                 sink.write(json.dumps(record) + "\n")
                 sink.flush()
-            if not math.isfinite(values["loss"]):
-                raise FloatingPointError(f"loss is {values['loss']} at step {step + 1}; lower train.lr or set train.grad_clip")
+            if bad and t.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"step {step + 1}: {bad}; the run stopped there (no checkpoint after it). Lower train.lr, "
+                    f"set train.grad_clip, or set train.nonfinite=skip to skip such updates")
+            if bad:
+                log(f"step {step + 1}: {bad}; skipped the update (train.nonfinite=skip)")
             done = step + 1
             if done == start + 1 or done % t.log_every == 0 or done == t.steps:
                 window = history[-min(len(history), t.log_every):]
