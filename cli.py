@@ -102,7 +102,11 @@ def _train(args: argparse.Namespace) -> int:
         resume_path(cfg)  # --resume with nothing to resume, or a pipeline run: a usage error, before any launch
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.trace and cfg.mesh.pp == 1:
+        raise UsageError(f"--trace {args.trace} records pipeline schedules: set mesh.pp > 1, or drop --trace")
     world = cfg.mesh.world_size
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}; it is the number of local ranks to spawn")
     nproc = args.nproc or cfg.runtime.nproc or world
     if nproc != world:
         raise UsageError(f"--nproc {nproc} but the mesh has {world} devices; make them equal")

@@ -165,6 +165,10 @@ class PipelineConfig:
     stages: Union[int, None] = None  # null: one stage per pp rank
 
     def validate(self) -> None:
+        from shardfn.runtime.schedules import SCHEDULES
+
+        _check(self.schedule.lower().replace("-", "_") in SCHEDULES, "pipeline.schedule",
+               f"must be one of {', '.join(SCHEDULES)}", self.schedule)
         _check(self.microbatches >= 1, "pipeline.microbatches", "must be >= 1", self.microbatches)
         _check(self.stages is None or self.stages >= 1, "pipeline.stages", "must be >= 1 or null", self.stages)
 

@@ -192,6 +192,9 @@ def jit(
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
         loss = step(w, x)
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
+                        f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget)
 
 

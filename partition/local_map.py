@@ -76,6 +76,9 @@ def _scale(shape, spec, mesh, factor: int) -> list[int]:
     for dim, entry in enumerate(spec or ()):
         names = [entry] if isinstance(entry, str) else list(entry or ())
         for name in names:
+            if name not in mesh.axes:
+                raise ValueError(f"sf.local_map: unknown mesh axis {name!r} in {spec!r}; the mesh has axes "
+                                 f"{tuple(mesh.axes)}")
             n = mesh.axes[name]
             out[dim] = out[dim] * n if factor > 0 else out[dim] // n
     return out

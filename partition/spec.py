@@ -72,6 +72,8 @@ def to_placements(
     or more entries than dims.
     """
     spec = P() if spec is None else spec
+    if isinstance(spec, str):  # a bare axis name would be read letter by letter
+        raise TypeError(f"{where}: a spec is a P(...) or None, got the string {spec!r}; write P({spec!r})")
     if len(spec) > ndim:
         raise ValueError(f"{where}: spec {spec!r} has {len(spec)} entries but the tensor has {ndim} dims")
     placements: list[Placement] = [Replicate() for _ in axis_names]
