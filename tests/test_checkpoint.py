@@ -278,7 +278,6 @@ def _reshard_load_worker(config, overrides, path):
             "losses": [r["loss"] for r in resumed.history]}
 
 
-@pytest.mark.slow
 def test_killed_save_keeps_the_previous_one_and_resume_is_exact_on_a_mesh(tmp_path):
     # A 2N-step run (N=2) on fsdp=2 whose rank 1 is SIGKILLed inside the save after step 2N (its
     # shard written, the others not); then N + resume + N in fresh processes.
@@ -303,7 +302,6 @@ def test_killed_save_keeps_the_previous_one_and_resume_is_exact_on_a_mesh(tmp_pa
     assert sorted(p.name for p in d.iterdir()) == ["step_00000004", "step_00000006"], "keep 2; the killed save cleared"
 
 
-@pytest.mark.slow
 def test_resume_is_exact_on_a_moe_mesh(tmp_path):
     out = spawn(_exact_resume_worker, 2, args=("moe_tiny", ["mesh.dp=2"], str(tmp_path)), timeout_s=300)
     for rank in out:
@@ -312,7 +310,6 @@ def test_resume_is_exact_on_a_moe_mesh(tmp_path):
         _assert_trees_equal(rank["end"][0], out[0]["end"][0])
 
 
-@pytest.mark.slow
 def test_reshard_on_load_dp2_tp2_to_fsdp2_and_one_device(tmp_path):
     config, d = "llama_tiny", tmp_path / "ckpt"
     path = Path(spawn(_reshard_save_worker, 4, args=(config, ["mesh.dp=2", "mesh.tp=2"], str(d)), timeout_s=240)[0])

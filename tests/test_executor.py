@@ -139,7 +139,6 @@ def test_pp2_every_schedule():
     check_parity({"pp": 2}, SCHEDULES, m=4, use_mesh=False)
 
 
-@pytest.mark.slow
 def test_pp4_every_schedule():
     check_parity({"pp": 4}, SCHEDULES, m=8)
 

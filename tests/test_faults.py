@@ -114,7 +114,6 @@ def test_blame_prefers_the_dead_rank_over_its_peers_connection_errors():
     assert launch.blame(2, {}, {0: closed, 1: own}, {0: 1, 1: 1}, 30).startswith("rank 1 failed: ValueError: batch too small")
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="the orphan check reads /proc")
 def test_cli_exits_nonzero_naming_the_killed_rank(tmp_path, tagged):
     env = {**os.environ, launch.FAULT_ENV: "kill:1:2", "PYTHONUNBUFFERED": "1"}

@@ -104,7 +104,6 @@ def _two_rank_worker(overrides):
     return full(result.params), [r["step"] for r in result.history if r.get("skipped")], error
 
 
-@pytest.mark.slow
 def test_two_ranks_skip_alike_and_raise_naming_the_step(tmp_path):
     overrides, params, bad = poisoned_run(tmp_path)
     ref_params, _ = replay(overrides, params, bad)

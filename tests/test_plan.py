@@ -213,7 +213,6 @@ def _real_reports(overrides):
     return {"memory": lowered.memory_report(), "comm": lowered.comm_report()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.dp=2", "mesh.ep=2"], ["mesh.fsdp=2", "mesh.ep=2"]], ids=["dp2xep2", "fsdp2xep2"])
 def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
     from shardfn.runtime.launch import spawn
