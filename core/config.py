@@ -197,6 +197,12 @@ class RuntimeConfig:
         _check(self.timeout_s > 0, "runtime.timeout_s", "must be > 0", self.timeout_s)
         _check(self.nproc is None or self.nproc >= 1, "runtime.nproc", "must be >= 1 or null", self.nproc)
         _check(self.threads is None or self.threads >= 1, "runtime.threads", "must be >= 1 or null", self.threads)
+        import torch
+
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            _check(False, "runtime.device", "must be a torch device such as cpu, cuda or cuda:1", self.device)
 
 
 @dataclass

@@ -83,6 +83,9 @@ def constrain(x: Any, spec: Any) -> Any:
     from shardfn.partition.spec import broadcast_specs
     import optree
 
+    if isinstance(spec, str):  # a bare axis name would be read letter by letter
+        raise TypeError(f"sf.constrain: a spec is a P(...) or a pytree of them, got the string {spec!r}; "
+                        f"write P({spec!r})")
     if not tracing():
         return x
     leaves, treedef = optree.tree_flatten(x, none_is_leaf=False)

@@ -53,6 +53,7 @@ CONFIG_CASES = [
     ("runtime.timeout_s=0", r"runtime\.timeout_s must be > 0, got 0\.0"),
     ("runtime.nproc=0", r"runtime\.nproc must be >= 1 or null, got 0"),
     ("runtime.threads=0", r"runtime\.threads must be >= 1 or null, got 0"),
+    ("runtime.device=tpu", r"runtime\.device must be a torch device such as cpu, cuda or cuda:1, got 'tpu'"),
     ("model.dim=abc", r"model\.dim must be int, got str 'abc'"),
     ("model.n_layers=0", r"model\.n_layers must be >= 1, got 0"),
 ]
@@ -162,6 +163,9 @@ JIT_CASES = {
                                r"sf\.constrain at graph node 'constrain'.*unknown mesh axis 'zz' in P\('zz'\)"),
     "constrain-indivisible": (lambda x: sf.constrain(x[:3], P("dp")) * 2, dict(in_specs=P()), (X,), ValueError,
                               r"sf\.constrain at graph node .*dim 0 of size 3 is not divisible by mesh axes \('dp',\)"),
+    "constrain-string-spec": (lambda x: sf.constrain(x, "dp") * 2, dict(in_specs=P()), (X,), TypeError,
+                              r"sf\.constrain: a spec is a P\(\.\.\.\) or a pytree of them, got the string 'dp'; "
+                              r"write P\('dp'\)"),
     "constrain-too-many-dims": (lambda x: sf.constrain(x, P("dp", None, "tp")), dict(in_specs=P()), (X,), ValueError,
                                 r"sf\.constrain at graph node .*has 3 entries but the tensor has 2 dims"),
     "local_map-unknown-axis": (_local_map_zz, dict(in_specs=P()), (X,), ValueError,
