@@ -34,6 +34,9 @@ class LoweredStep:
         self.out_specs = out_specs
         self.arg_roles = arg_roles
         self._compiled = None
+        # MoE layers exchange tokens in the runtime, which records each exchange
+        self.has_local_regions = any(
+            n.target is torch.ops.shardfn.local_region.default for n in traced.graph_module.graph.nodes)
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -53,7 +56,7 @@ class LoweredStep:
         whose sizes depend on routing, run in the runtime: after a step has run they appear as
         one row per layer (``layer`` key) with the bytes that step moved."""
         rows = report.comm_report(self.graph_module, self.mesh)
-        if any(n.target is torch.ops.shardfn.local_region.default for n in self.traced.graph_module.graph.nodes):
+        if self.has_local_regions:
             from shardfn.runtime.moe_dispatch import exchange_report
 
             rows += exchange_report(self.mesh)
@@ -81,6 +84,10 @@ class LoweredStep:
         return self._compiled[1]
 
     def __call__(self, *args, backend: str | None = "inductor"):
+        if self.has_local_regions:
+            from shardfn.runtime.moe_dispatch import reset_stats
+
+            reset_stats()  # the exchange records are this call's: they neither pile up nor renumber layers
         leaves, _, _ = flatten_args(args)
         local = [
             _to_local(x, self.mesh, pl, path)
