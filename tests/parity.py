@@ -1,5 +1,6 @@
 """Shared by the layout tests: a config's train step run for a few steps on one device and under
-a mesh (in spawned gloo ranks), returning losses, first-step gradients and final parameters."""
+a mesh (in spawned gloo ranks), returning losses, first-step gradients, final parameters and the
+step's memory and communication reports."""
 
 import torch
 
@@ -47,8 +48,24 @@ def layout_worker(overrides, config=None):
     for b in batches:
         params, state, metrics = step(params, state, b)
         losses.append(metrics["loss"])
+    lowered = step.jitted.lower(params, state, batches[-1])  # cached: the program that just ran
     return {"losses": torch.stack(losses), "grads": full(grads0), "params": full(params),
-            "local": {k: tuple(v.to_local().shape) for k, v in _flat(params).items()}}
+            "local": {k: tuple(v.to_local().shape) for k, v in _flat(params).items()},
+            "memory": lowered.memory_report(), "comm": lowered.comm_report()}
+
+
+_RUNS: dict = {}
+
+
+def run_layout(overrides, nproc, config=None):
+    """``layout_worker`` on ``nproc`` gloo ranks, run once per session for each layout: the
+    parity tests and the plan-vs-real-run tests read the same run."""
+    from shardfn.runtime.launch import spawn
+
+    key = (tuple(overrides), nproc, config)
+    if key not in _RUNS:
+        _RUNS[key] = spawn(layout_worker, nproc, args=(list(overrides), config), timeout_s=600)
+    return _RUNS[key]
 
 
 def _flat(tree):

@@ -3,9 +3,8 @@ all-to-all bytes of each MoE layer against the routing decisions of the step."""
 
 import pytest
 
-from parity import assert_matches, layout_worker, reference
+from parity import assert_matches, reference, run_layout
 from shardfn.core.config import resolve_path
-from shardfn.runtime.launch import spawn
 
 MOE = str(resolve_path("moe_tiny"))
 
@@ -25,7 +24,7 @@ def ref():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_expert_parallel_layout_matches_one_device(name, ref):
     overrides, nproc = LAYOUTS[name]
-    out = spawn(layout_worker, nproc, args=(overrides, MOE), timeout_s=600)
+    out = run_layout(overrides, nproc, MOE)
     assert_matches(out, ref)
     ep = int(overrides[-1].split("=")[1])
     # routed experts [L, E, D, F] are split over ep: each rank holds E / ep of them

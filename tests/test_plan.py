@@ -191,35 +191,15 @@ def test_search_ranks_fitting_layouts_and_refuses_with_keys(clean_process_group)
 # ------------------------------------------------------------------ plan vs a real run on gloo ranks
 
 
-def _real_reports(overrides):
-    import torch
-
-    from shardfn import models
-    from shardfn.runtime import data
-    from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
-    from shardfn.runtime.train import make_optimizer
-
-    cfg = load_config("moe_tiny", overrides)
-    model = models.get(cfg.model_name)
-    params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
-    state = opt.init(params)
-    step = partitioned_step(cfg, model, opt, params, state, mesh_from_config(cfg), backend=None)
-    batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=cfg.train.batch_size,
-                           seq_len=cfg.train.seq_len, seed=cfg.train.seed)
-    lowered = step.jitted.lower(params, state, batch)
-    _, _, metrics = step(params, state, batch)
-    assert torch.isfinite(metrics["loss"])
-    return {"memory": lowered.memory_report(), "comm": lowered.comm_report()}
-
-
 @pytest.mark.parametrize("mesh", [["mesh.dp=2", "mesh.ep=2"], ["mesh.fsdp=2", "mesh.ep=2"]], ids=["dp2xep2", "fsdp2xep2"])
 def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
-    from shardfn.runtime.launch import spawn
+    from parity import BASE, run_layout
 
-    overrides = ["train.batch_size=8", "train.seq_len=32", *mesh]
-    real = spawn(_real_reports, 4, args=(overrides,), timeout_s=600)
-    plan = pl.make_plan(load_config("moe_tiny", overrides))
+    from shardfn.core.config import resolve_path
+
+    # the same run the expert-parallel parity tests check (3 steps; reports of the last)
+    real = run_layout(mesh, 4, str(resolve_path("moe_tiny")))
+    plan = pl.make_plan(load_config("moe_tiny", BASE + mesh))
     assert plan.trace["mode"] == "full"
     for rank in real:
         memory = rank["memory"]
