@@ -630,26 +630,23 @@ def _fake_mesh(axes: Mapping[str, int]):
     return mesh
 
 
-def _ancestors(roots: Iterable[torch.fx.Node]) -> set:
+def _reachable(roots: Iterable[torch.fx.Node], neighbours: Callable[[torch.fx.Node], Iterable]) -> set:
+    """The nodes reachable from ``roots`` (included) by following ``neighbours``."""
     seen, todo = set(), list(roots)
     while todo:
         n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.all_input_nodes)
+        if n not in seen:
+            seen.add(n)
+            todo.extend(neighbours(n))
     return seen
+
+
+def _ancestors(roots: Iterable[torch.fx.Node]) -> set:
+    return _reachable(roots, lambda n: n.all_input_nodes)
 
 
 def _descendants(roots: Iterable[torch.fx.Node]) -> set:
-    seen, todo = set(), list(roots)
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo.extend(n.users)
-    return seen
+    return _reachable(roots, lambda n: n.users)
 
 
 def _output_index(traced, path: tuple) -> int:
