@@ -3,7 +3,10 @@
 One format for every run. On one device the tensors are plain; on a mesh they are the
 partitioned step's DTensors, so every rank writes only its own shards and DCP records each
 tensor's global shape and chunks. Loading reads whatever chunks the *target* layout needs, so a
-checkpoint saved under one mesh loads under any other mesh, or on one device.
+checkpoint saved under one mesh loads under any other mesh, or on one device. Pipeline runs
+(``mesh.pp > 1``) gather their stages into the full trees first (every rank holds the whole
+state for the save; DCP writes each replicated tensor once) and cut them to the stages on load,
+so their checkpoints load under any layout too.
 
 Layout on disk (``train.checkpoint.dir``)::
 
@@ -374,10 +377,6 @@ def resume_path(cfg) -> Path | None:
         resume_path(load_config(None, ["train.checkpoint.every=50"]))  # None on a first run
     """
     ckpt = cfg.train.checkpoint
-    if cfg.mesh.pp > 1 and (ckpt.every or ckpt.resume is True):
-        raise ValueError(f"train.checkpoint: pipeline runs (mesh.pp={cfg.mesh.pp}) keep each stage's state "
-                         f"on its own ranks and are not checkpointed; set train.checkpoint.every=0 and "
-                         f"train.checkpoint.resume=auto, or mesh.pp=1")
     if ckpt.resume is True:
         found = latest_checkpoint(ckpt.dir)
         if found is None:
@@ -400,7 +399,8 @@ def restore(path: str | os.PathLike, cfg, step_fn, params: PyTree, opt_state: An
 
     ``params`` and ``opt_state`` are the run's initial trees (every rank holds them whole); on a
     mesh they become DTensors of the step's specs (:func:`target_like`) before the load, so each
-    rank reads only its shards, whatever layout saved them.
+    rank reads only its shards, whatever layout saved them. A pipeline step (``mesh.pp > 1``)
+    reads the full trees and keeps its stages' slices (``step_fn.from_checkpoint``).
 
     Example:
         loaded = restore(resume_path(cfg), cfg, step_fn, params, opt_state)
@@ -413,4 +413,7 @@ def restore(path: str | os.PathLike, cfg, step_fn, params: PyTree, opt_state: An
                          f"written by this loop: start a fresh train.checkpoint.dir")
     if loaded.rng_state is not None:
         torch.set_rng_state(loaded.rng_state)
+    if hasattr(step_fn, "from_checkpoint"):  # a pipeline rank: the full trees cut to its stages
+        params, opt_state = step_fn.from_checkpoint(loaded.params, loaded.opt_state)
+        loaded = loaded._replace(params=params, opt_state=opt_state)
     return loaded

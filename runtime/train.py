@@ -187,6 +187,7 @@ def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepF
     from shardfn.runtime.executor import build_pipeline_step
 
     step = build_pipeline_step(cfg, model, params, record=record)
+    last_norm = {}  # the latest grad_norm: the one-device optimizer state records it (clipping)
 
     def run(params, opt_state, batch):
         if not (isinstance(params, dict) and params and all(k.startswith("stage") for k in params)):
@@ -195,9 +196,25 @@ def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepF
         new_params, new_state, metrics = step(params, opt_state, batch)
         if cfg.train.nonfinite == "skip":  # loss and grad_norm are global: every rank skips alike
             new_params, new_state = keep_finite((new_params, new_state), (params, opt_state), metrics)
+        last_norm["grad_norm"] = metrics["grad_norm"]
         return new_params, new_state, metrics
 
+    def to_checkpoint(params_local, opt_state):
+        """The full trees every other layout saves (collective over pp and ep): the stages
+        gathered, the optimizer state in :func:`make_optimizer`'s structure."""
+        full, adam = step.gather(params_local), step.gather_state(opt_state)
+        if not cfg.train.grad_clip:
+            return full, adam
+        norm = last_norm.get("grad_norm", torch.zeros(()))
+        return full, (optim.ClipByGlobalNormState(norm.detach().float().reshape(())), adam)
+
+    def from_checkpoint(params_full, opt_state_full):
+        """Inverse of ``to_checkpoint``: this rank's stages and their optimizer state."""
+        adam = opt_state_full[1] if cfg.train.grad_clip else opt_state_full
+        return step.scatter(params_full), step.scatter_state(adam, params_full)
+
     run.write_trace = step.write_trace  # Chrome trace of the latest step's actions, all ranks
+    run.to_checkpoint, run.from_checkpoint = to_checkpoint, from_checkpoint
     return run
 
 
@@ -322,7 +339,8 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
                 log(f"step {done:>{len(str(t.steps))}}/{t.steps}  loss {values['loss']:.4f}  "
                     f"lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}  tok/s {tps:,.0f}")
             if ckpt.every and (done % ckpt.every == 0 or done == t.steps):
-                save_checkpoint(ckpt.dir, done, params, opt_state, keep=ckpt.keep, config=cfg.to_dict())
+                saved = step_fn.to_checkpoint(params, opt_state) if hasattr(step_fn, "to_checkpoint") else (params, opt_state)
+                save_checkpoint(ckpt.dir, done, *saved, keep=ckpt.keep, config=cfg.to_dict())
     finally:
         if sink:
             sink.close()

@@ -1,5 +1,5 @@
 """Sharded checkpoints (runtime/checkpoint.py): layout on disk, atomic saves, keep-K, exact resume
-on one device and on gloo meshes, resharding on load, a save killed midway, and bad input."""
+on one device and on gloo meshes (pipeline ones too), resharding on load, a save killed midway, and bad input."""
 
 import json
 import os
@@ -165,8 +165,7 @@ def test_resume_policy_errors(tmp_path):
     assert ck.resume_path(cfg("train.checkpoint.resume=true")) == tmp_path / "step_00000003"
     with pytest.raises(ValueError, match=r"resume=false.*newest: step_00000003.*fresh"):
         ck.resume_path(cfg("train.checkpoint.every=2", "train.checkpoint.resume=false"))
-    with pytest.raises(ValueError, match=r"mesh.pp=2.*train.checkpoint.every=0"):
-        ck.resume_path(cfg("train.checkpoint.every=2", "mesh.pp=2"))
+    assert ck.resume_path(cfg("train.checkpoint.every=2", "mesh.pp=2")) == tmp_path / "step_00000003"  # any layout
     with pytest.raises(ValueError, match="train.checkpoint.resume must be auto, true or false"):
         cfg("train.checkpoint.resume=sometimes")
 
@@ -328,4 +327,44 @@ def test_reshard_on_load_dp2_tp2_to_fsdp2_and_one_device(tmp_path):
     on_one = _run(config, ["train.steps=2", f"train.checkpoint.dir={d}", "train.checkpoint.resume=true"])
     assert [r["step"] for r in on_one.history] == [2]
     torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor([on_one.history[0]["loss"]]),
+                               rtol=1e-5, atol=0)
+
+
+PP = ["pipeline.schedule=1f1b", "pipeline.microbatches=2", "train.steps=4"]
+
+
+def _pipeline_resume_worker(config, mesh, d):
+    """On a pp mesh: 4 steps straight; 2 steps saving; a resume of those to step 4; and a resume
+    of a one-device checkpoint (``d/one``) to step 4. Losses of each, per rank."""
+    def losses(*overrides):
+        return [r["loss"] for r in _run(config, [*PP, *mesh, *overrides]).history]
+
+    return {"straight": losses(),
+            "first_half": losses("train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={d}/pp"),
+            "resumed": losses("train.checkpoint.every=2", f"train.checkpoint.dir={d}/pp", "train.checkpoint.resume=true"),
+            "from_one_device": losses(f"train.checkpoint.dir={d}/one", "train.checkpoint.every=2",
+                                      "train.checkpoint.resume=true")}
+
+
+@pytest.mark.parametrize("config,mesh,nproc", [("llama_tiny", ["mesh.pp=2"], 2),
+                                               ("moe_tiny", ["mesh.pp=2", "mesh.ep=2"], 4)], ids=["pp2", "pp2xep2"])
+def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, config, mesh, nproc):
+    one = [*PP, "train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/one"]
+    on_one = [r["loss"] for r in _run(config, one).history]
+    out = spawn(_pipeline_resume_worker, nproc, args=(config, mesh, str(tmp_path)), timeout_s=300)
+    for rank in out:
+        straight = rank["straight"]
+        assert rank["first_half"] == straight[:2]
+        assert rank["resumed"] == straight[2:], "bitwise: 2 steps + resume + 2 is the 4-step pp run"
+        # a one-device checkpoint cut to the stages: the same steps 3 and 4 as the pp run's
+        torch.testing.assert_close(torch.tensor(rank["from_one_device"]), torch.tensor(straight[2:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(on_one), torch.tensor(out[0]["straight"][:2]), rtol=1e-5, atol=0)
+    # the pp checkpoint holds the full trees: one device resumes from it
+    path = tmp_path / "pp" / "step_00000002"
+    assert ck.load_checkpoint(path, *_fresh(load_config(config, SMALL))).step == 2
+    shutil.copytree(path, tmp_path / "pp_at_2" / path.name)  # the resumed pp run also saved step 4 there
+    resumed = _run(config, [*PP, "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/pp_at_2",
+                            "train.checkpoint.resume=true"])
+    assert [r["step"] for r in resumed.history] == [3, 4]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed.history]), torch.tensor(out[0]["straight"][2:]),
                                rtol=1e-5, atol=0)
