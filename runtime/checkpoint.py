@@ -4,9 +4,9 @@ One format for every run. On one device the tensors are plain; on a mesh they ar
 partitioned step's DTensors, so every rank writes only its own shards and DCP records each
 tensor's global shape and chunks. Loading reads whatever chunks the *target* layout needs, so a
 checkpoint saved under one mesh loads under any other mesh, or on one device. Pipeline runs
-(``mesh.pp > 1``) gather their stages into the full trees first (every rank holds the whole
-state for the save; DCP writes each replicated tensor once) and cut them to the stages on load,
-so their checkpoints load under any layout too.
+(``mesh.pp > 1``) hold slices that are not DTensors (a stage's layer range of each stacked
+leaf); they save and load them as :class:`~shardfn.runtime.checkpoint_blocks.Blocks`, chunks of
+the same global tensors, so their checkpoints load under any layout too.
 
 Layout on disk (``train.checkpoint.dir``)::
 
@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.core.pytree import PyTree
+from shardfn.runtime.checkpoint_blocks import Blocks, BlocksLoadPlanner, BlocksSavePlanner
 
 FORMAT = "shardfn.dcp/1"
 MARKER = "COMPLETE"
@@ -171,11 +172,14 @@ def distribute(tree: PyTree, specs: Any, mesh) -> PyTree:
 
 def target_like(step_fn, params: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
     """``(params, opt_state)`` in the layout ``step_fn`` keeps them: DTensors by the step's specs
-    for a partitioned step (:func:`~shardfn.runtime.partitioned.partitioned_step`), else as given.
+    for a partitioned step (:func:`~shardfn.runtime.partitioned.partitioned_step`), this rank's
+    :class:`~shardfn.runtime.checkpoint_blocks.Blocks` for a pipeline step, else as given.
 
     Example:
         params_like, opt_like = target_like(step_fn, params, opt_state)
     """
+    if hasattr(step_fn, "checkpoint_like"):  # a pipeline rank: its stages' slices, as blocks
+        return step_fn.checkpoint_like(params, opt_state)
     specs, jitted = getattr(step_fn, "specs", None), getattr(step_fn, "jitted", None)
     if specs is None or jitted is None:
         return params, opt_state
@@ -232,7 +236,8 @@ def save_checkpoint(directory: str | os.PathLike, step: int, params: PyTree, opt
     _barrier()
     sd = state_dict(step, params, opt_state, rank=rank, rng_state=torch.get_rng_state())
     with _quiet():
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), no_dist=not _distributed())
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_planner(sd, BlocksSavePlanner),
+                 no_dist=not _distributed())
     _barrier()  # every rank's shards are on disk
     if rank == 0:
         _write_meta(tmp, step, config)
@@ -240,6 +245,11 @@ def save_checkpoint(directory: str | os.PathLike, step: int, params: PyTree, opt
         _prune(Path(directory), keep)
     _barrier()  # nobody moves on (or saves again) before the checkpoint is in place
     return final
+
+
+def _planner(sd: dict, with_blocks):
+    """DCP's default planner, or the one that also takes :class:`Blocks` when ``sd`` has any."""
+    return with_blocks() if any(isinstance(v, Blocks) for v in sd.values()) else None
 
 
 def _write_meta(tmp: Path, step: int, config: dict | None) -> None:
@@ -304,7 +314,7 @@ def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like
                          f"load one of latest_checkpoint({str(path.parent)!r})")
     rank = _rank()
     target = state_dict(0, params_like, opt_state_like)
-    target = {k: (v.detach().clone() if not isinstance(v, DTensor) else v) for k, v in target.items()}
+    target = {k: (v.detach().clone() if not isinstance(v, (DTensor, Blocks)) else v) for k, v in target.items()}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     meta = read_meta(path)
     check_compatible(path, saved, target, meta, config)
@@ -312,7 +322,8 @@ def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like
     if rng_key in saved:
         target[rng_key] = torch.empty(saved[rng_key].size, dtype=torch.uint8)
     with _quiet():
-        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=not _distributed())
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path), planner=_planner(target, BlocksLoadPlanner),
+                 no_dist=not _distributed())
     p_leaves, p_def = optree.tree_flatten(params_like, none_is_leaf=False)
     s_leaves, s_def = optree.tree_flatten(opt_state_like, none_is_leaf=False)
     p_keys = [k for k, _ in flat_paths(params_like, "params")]
@@ -400,7 +411,7 @@ def restore(path: str | os.PathLike, cfg, step_fn, params: PyTree, opt_state: An
     ``params`` and ``opt_state`` are the run's initial trees (every rank holds them whole); on a
     mesh they become DTensors of the step's specs (:func:`target_like`) before the load, so each
     rank reads only its shards, whatever layout saved them. A pipeline step (``mesh.pp > 1``)
-    reads the full trees and keeps its stages' slices (``step_fn.from_checkpoint``).
+    reads its stages' slices and gets back its local trees (``step_fn.from_checkpoint``).
 
     Example:
         loaded = restore(resume_path(cfg), cfg, step_fn, params, opt_state)

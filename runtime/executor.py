@@ -398,16 +398,53 @@ class PipelineStep:
     def gather_state(self, opt_state: Any) -> Any:
         """``opt_state`` with every tree shaped like the local params (AdamW's ``mu``, ``nu``)
         replaced by the full tree, on every ``pp`` rank (for checkpoints)."""
-        return _map_local_trees(self.gather, opt_state, set(map(stage_key, self.stages)))
+        return _map_local_trees(self.gather, opt_state, self.stages)
 
     def scatter_state(self, opt_state_full: Any, params: PyTree) -> Any:
         """Inverse of :meth:`gather_state`: each full-params-shaped tree cut to this rank's stages."""
-        treedef = tree_flatten(params)[1]
+        return _map_full_trees(self.scatter, opt_state_full, params)
 
-        def cut(tree):
-            return self.scatter(tree) if tree_flatten(tree)[1] == treedef else tree
+    def checkpoint_blocks(self, params_local: dict) -> PyTree:
+        """The full parameter tree's structure with this rank's slices at each leaf, as
+        :class:`~shardfn.runtime.checkpoint_blocks.Blocks` (no blocks where other ranks hold the
+        leaf): what a checkpoint save writes and a load fills in place. No communication.
 
-        return _map_trees(cut, opt_state_full, lambda t: isinstance(t, dict) and tree_flatten(t)[1] == treedef)
+            blocks = step.checkpoint_blocks(params_local)  # Blocks(shape=(L, D, H), blocks=[((0, 0, 0), w)])
+        """
+        from shardfn.runtime.checkpoint_blocks import Blocks
+
+        held, dims = self.held(params_local), self.expert_dims
+        leaves = []
+        for path, spec in self.pipe.param_specs.items():
+            shape = list(spec.shape)
+            if path in dims:
+                shape[dims[path]] *= self.ep  # traced with this rank's n_experts / ep
+            blocks = []
+            for s in self.stages:
+                if path in held[s]:
+                    t, offsets = held[s][path], [0] * len(shape)
+                    if path in self.pipe.stages[s].layer_ranges:
+                        offsets[0] = self.pipe.stages[s].layer_ranges[path][0]
+                    if path in dims:
+                        offsets[dims[path]] = self.ep_rank * t.shape[dims[path]]
+                    blocks.append((tuple(offsets), t))
+            leaves.append(Blocks(shape, spec.dtype, blocks))
+        return tree_unflatten(self.pipe.param_treedef, leaves)
+
+    def from_blocks(self, blocks_tree: PyTree) -> dict:
+        """Inverse of :meth:`checkpoint_blocks`: the local tree of the blocks' tensors."""
+        by_path = dict(zip(self.pipe.param_specs, tree_flatten(blocks_tree)[0]))
+        taken = {p: iter(b.blocks) for p, b in by_path.items()}
+        return {stage_key(s): _nest({p: next(taken[p])[1] for p in self.pipe.stages[s].param_paths})
+                for s in self.stages}
+
+    def state_blocks(self, opt_state: Any) -> Any:
+        """``opt_state`` with every local-params-shaped tree (AdamW's ``mu``, ``nu``) as :meth:`checkpoint_blocks`."""
+        return _map_local_trees(self.checkpoint_blocks, opt_state, self.stages)
+
+    def state_from_blocks(self, opt_state_blocks: Any, params_blocks: PyTree) -> Any:
+        """Inverse of :meth:`state_blocks`."""
+        return _map_full_trees(self.from_blocks, opt_state_blocks, params_blocks)
 
     def write_trace(self, path: str | os.PathLike) -> Path | None:
         """Write the latest step's action timings of every rank as one Chrome trace (on global rank 0).
@@ -511,8 +548,16 @@ def _map_trees(fn, state: Any, match) -> Any:
     return state
 
 
-def _map_local_trees(fn, state: Any, keys: set[str]) -> Any:
+def _map_local_trees(fn, state: Any, stages) -> Any:
+    """``fn`` on every sub-tree shaped like a local parameter tree (``{"stage<s>": ...}`` of ``stages``)."""
+    keys = set(map(stage_key, stages))
     return _map_trees(fn, state, lambda t: isinstance(t, dict) and t and set(t) == keys)
+
+
+def _map_full_trees(fn, state: Any, params: PyTree) -> Any:
+    """``fn`` on every sub-tree shaped like the full parameter tree ``params``."""
+    treedef = tree_flatten(params)[1]
+    return _map_trees(fn, state, lambda t: isinstance(t, dict) and tree_flatten(t)[1] == treedef)
 
 
 def _device(held: dict) -> torch.device:

@@ -200,21 +200,26 @@ def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepF
         return new_params, new_state, metrics
 
     def to_checkpoint(params_local, opt_state):
-        """The full trees every other layout saves (collective over pp and ep): the stages
-        gathered, the optimizer state in :func:`make_optimizer`'s structure."""
-        full, adam = step.gather(params_local), step.gather_state(opt_state)
+        """What a save writes: the full trees' structure with this rank's slices as blocks
+        (``runtime.checkpoint_blocks``), the optimizer state in :func:`make_optimizer`'s structure."""
+        adam = step.state_blocks(opt_state)
         if not cfg.train.grad_clip:
-            return full, adam
+            return step.checkpoint_blocks(params_local), adam
         norm = last_norm.get("grad_norm", torch.zeros(()))
-        return full, (optim.ClipByGlobalNormState(norm.detach().float().reshape(())), adam)
+        return step.checkpoint_blocks(params_local), (optim.ClipByGlobalNormState(norm.detach().float().reshape(())), adam)
 
-    def from_checkpoint(params_full, opt_state_full):
-        """Inverse of ``to_checkpoint``: this rank's stages and their optimizer state."""
-        adam = opt_state_full[1] if cfg.train.grad_clip else opt_state_full
-        return step.scatter(params_full), step.scatter_state(adam, params_full)
+    def checkpoint_like(params_full, opt_state_full):
+        """What a load fills in place: this rank's slices of the run's initial trees, as blocks."""
+        local = step.scatter(params_full)
+        return to_checkpoint(local, step.optimizer.init(local))
+
+    def from_checkpoint(params_blocks, opt_state_blocks):
+        """This rank's stages and their optimizer state, from loaded blocks."""
+        adam = opt_state_blocks[1] if cfg.train.grad_clip else opt_state_blocks
+        return step.from_blocks(params_blocks), step.state_from_blocks(adam, params_blocks)
 
     run.write_trace = step.write_trace  # Chrome trace of the latest step's actions, all ranks
-    run.to_checkpoint, run.from_checkpoint = to_checkpoint, from_checkpoint
+    run.to_checkpoint, run.checkpoint_like, run.from_checkpoint = to_checkpoint, checkpoint_like, from_checkpoint
     return run
 
 

@@ -2,6 +2,7 @@
 on one device and on gloo meshes (pipeline ones too), resharding on load, a save killed midway, and bad input."""
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from shardfn import models
@@ -359,12 +361,43 @@ def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, co
         # a one-device checkpoint cut to the stages: the same steps 3 and 4 as the pp run's
         torch.testing.assert_close(torch.tensor(rank["from_one_device"]), torch.tensor(straight[2:]), rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(on_one), torch.tensor(out[0]["straight"][:2]), rtol=1e-5, atol=0)
-    # the pp checkpoint holds the full trees: one device resumes from it
+    # each stage wrote its own layer range (and, over ep, its experts) as chunks of the global tensors
     path = tmp_path / "pp" / "step_00000002"
-    assert ck.load_checkpoint(path, *_fresh(load_config(config, SMALL))).step == 2
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    cfg = load_config(config, SMALL)
+    params = {k: v for k, v in saved.items() if k.startswith("params.")}
+    for key, md in params.items():  # the chunks tile each tensor (DCP refuses overlaps)
+        assert sum(math.prod(c.sizes) for c in md.chunks) == math.prod(md.size), key
+    assert any(c.offsets[0] > 0 for md in params.values() for c in md.chunks), "layer ranges from both stages"
+    if "mesh.ep=2" in mesh:
+        experts = [md for k, md in params.items() if ".experts." in k]
+        assert experts and all({c.offsets[1] for c in md.chunks} == {0, md.size[1] // 2} for md in experts)
+    assert ck.read_meta(path)["world_size"] == nproc and len(list(path.glob("*.distcp"))) == nproc
+    # one device resumes from the pp checkpoint
+    assert ck.load_checkpoint(path, *_fresh(cfg)).step == 2
     shutil.copytree(path, tmp_path / "pp_at_2" / path.name)  # the resumed pp run also saved step 4 there
     resumed = _run(config, [*PP, "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/pp_at_2",
                             "train.checkpoint.resume=true"])
     assert [r["step"] for r in resumed.history] == [3, 4]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed.history]), torch.tensor(out[0]["straight"][2:]),
                                rtol=1e-5, atol=0)
+
+
+def test_blocks_save_and_load_as_chunks_of_the_global_tensor(tmp_path):
+    from shardfn.runtime.checkpoint_blocks import Blocks, BlocksLoadPlanner, BlocksSavePlanner
+
+    w = torch.arange(12.0).reshape(4, 3)
+    sd = {"w": Blocks((4, 3), torch.float32, [((0, 0), w[:1]), ((1, 0), w[1:])]), "s": torch.tensor(7)}
+    with ck._quiet():
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), planner=BlocksSavePlanner(), no_dist=True)
+        chunks = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata["w"].chunks
+        assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [((0, 0), (1, 3)), ((1, 0), (3, 3))]
+        whole = {"w": torch.zeros(4, 3), "s": torch.tensor(0)}
+        dcp.load(whole, storage_reader=dcp.FileSystemReader(tmp_path), no_dist=True)
+        assert torch.equal(whole["w"], w) and int(whole["s"]) == 7
+        rows = torch.zeros(2, 3)  # rows 0..1: half from each saved chunk
+        part = {"w": Blocks((4, 3), torch.float32, [((0, 0), rows)]), "s": torch.tensor(0)}
+        dcp.load(part, storage_reader=dcp.FileSystemReader(tmp_path), planner=BlocksLoadPlanner(), no_dist=True)
+    assert torch.equal(rows, w[:2])
+    with pytest.raises(ValueError, match=r"a block of shape \(2, 3\) at \(3, 0\) lies outside \(4, 3\)"):
+        Blocks((4, 3), torch.float32, [((3, 0), rows)])
