@@ -424,7 +424,7 @@ def restore(path: str | os.PathLike, cfg, step_fn, params: PyTree, opt_state: An
                          f"written by this loop: start a fresh train.checkpoint.dir")
     if loaded.rng_state is not None:
         torch.set_rng_state(loaded.rng_state)
-    if hasattr(step_fn, "from_checkpoint"):  # a pipeline rank: the full trees cut to its stages
+    if hasattr(step_fn, "from_checkpoint"):  # a pipeline rank: its local trees from the loaded blocks
         params, opt_state = step_fn.from_checkpoint(loaded.params, loaded.opt_state)
         loaded = loaded._replace(params=params, opt_state=opt_state)
     return loaded

@@ -397,7 +397,7 @@ class PipelineStep:
 
     def gather_state(self, opt_state: Any) -> Any:
         """``opt_state`` with every tree shaped like the local params (AdamW's ``mu``, ``nu``)
-        replaced by the full tree, on every ``pp`` rank (for checkpoints)."""
+        replaced by the full tree, on every ``pp`` rank."""
         return _map_local_trees(self.gather, opt_state, self.stages)
 
     def scatter_state(self, opt_state_full: Any, params: PyTree) -> Any:
@@ -433,8 +433,7 @@ class PipelineStep:
 
     def from_blocks(self, blocks_tree: PyTree) -> dict:
         """Inverse of :meth:`checkpoint_blocks`: the local tree of the blocks' tensors."""
-        by_path = dict(zip(self.pipe.param_specs, tree_flatten(blocks_tree)[0]))
-        taken = {p: iter(b.blocks) for p, b in by_path.items()}
+        taken = {p: iter(b.blocks) for p, b in zip(self.pipe.param_specs, tree_flatten(blocks_tree)[0])}
         return {stage_key(s): _nest({p: next(taken[p])[1] for p in self.pipe.stages[s].param_paths})
                 for s in self.stages}
 

@@ -202,11 +202,11 @@ def _pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> StepF
     def to_checkpoint(params_local, opt_state):
         """What a save writes: the full trees' structure with this rank's slices as blocks
         (``runtime.checkpoint_blocks``), the optimizer state in :func:`make_optimizer`'s structure."""
-        adam = step.state_blocks(opt_state)
+        blocks, adam = step.checkpoint_blocks(params_local), step.state_blocks(opt_state)
         if not cfg.train.grad_clip:
-            return step.checkpoint_blocks(params_local), adam
+            return blocks, adam
         norm = last_norm.get("grad_norm", torch.zeros(()))
-        return step.checkpoint_blocks(params_local), (optim.ClipByGlobalNormState(norm.detach().float().reshape(())), adam)
+        return blocks, (optim.ClipByGlobalNormState(norm.detach().float().reshape(())), adam)
 
     def checkpoint_like(params_full, opt_state_full):
         """What a load fills in place: this rank's slices of the run's initial trees, as blocks."""
