@@ -63,19 +63,20 @@ def train_step_args(config: str, overrides: list[str], mesh):
     tensors (no storage), MoE experts in per-rank regions as the runtime runs them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardfn.core.config import load_config
-    from shardfn.runtime.partitioned import layout, with_expert_regions
-    from shardfn.runtime.train import make_optimizer, make_train_step
+    from shardfn.config import load_config
+    from shardfn.runtime.partitioned import expert_region, layout
+    from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config(config, overrides)
     model = sys.modules[type(cfg.model).__module__]
     with FakeTensorMode():
         params = model.init(cfg.model, 0, dtype=torch.bfloat16)
-        opt = make_optimizer(cfg.train)
+        opt = make_optimizer(cfg.train, model)
         opt_state = opt.init(params)
         shape = (cfg.train.batch_size, cfg.train.seq_len)
         batch = {"inputs": torch.zeros(shape, dtype=torch.long), "targets": torch.zeros(shape, dtype=torch.long)}
-    step = with_expert_regions(make_train_step(model, cfg.model, opt), cfg, mesh, layout(cfg, model, params, opt_state, mesh))
+    experts = expert_region(model, cfg.model, mesh, layout(cfg, model, params, opt_state, mesh))
+    step = make_train_step(model, cfg.model, opt, experts=experts)
     return step, (params, opt_state, batch), model.param_axes(cfg.model)
 
 

@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 
 from shardfn import models
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
 from shardfn.runtime import checkpoint as ck
 from shardfn.runtime import data
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.train import make_optimizer, make_train_step
+from shardfn.runtime.train_step import make_optimizer, make_train_step
 
 CONFIG = "moe_tiny"
 SMALL = ["train.batch_size=4", "train.seq_len=16", "train.warmup_steps=2"]
@@ -60,7 +60,7 @@ def training_state(overrides=()):
     cfg = load_config(CONFIG, [*SMALL, *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     state = opt.init(params)
     step = make_train_step(model, cfg.model, opt)
     tokens = data.from_config(cfg.data)
@@ -76,7 +76,7 @@ def state_bytes(params, opt_state) -> int:
 def fresh_like(cfg, model):
     """Other values, same shapes: what a load fills."""
     params = model.init(cfg.model, cfg.train.seed + 1)
-    return params, make_optimizer(cfg.train).init(params)
+    return params, make_optimizer(cfg.train, model).init(params)
 
 
 # ----------------------------------------------------------------------------- one rank

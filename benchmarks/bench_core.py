@@ -35,10 +35,10 @@ import torch.nn.functional as F
 
 from shardfn import models
 from shardfn.core import optim
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
 from shardfn.runtime import data
-from shardfn.runtime.train import make_optimizer, make_train_step
+from shardfn.runtime.train_step import make_optimizer, make_train_step
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_core.json"
 
@@ -151,7 +151,7 @@ class Llama(nn.Module):
 
 class Functional:
     def __init__(self, cfg, model, params, compiled):
-        opt = make_optimizer(cfg.train)
+        opt = make_optimizer(cfg.train, model)
         self.step_fn = make_train_step(model, cfg.model, opt)
         if compiled:
             self.step_fn = torch.compile(self.step_fn)

@@ -35,27 +35,26 @@ def _median(fn, n, warmup=2):
 
 def _layout_worker(overrides, steps):
     from shardfn import models
-    from shardfn.core.config import load_config
-    from shardfn.runtime import data, moe_dispatch
-    from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
-    from shardfn.runtime.train import make_optimizer
+    from shardfn.config import load_config
+    from shardfn.runtime import data
+    from shardfn.runtime.partitioned import mesh_from_config, mesh_step
+    from shardfn.runtime.train_step import make_optimizer
 
     cfg = load_config("moe_tiny", ["train.batch_size=16", "train.seq_len=64", *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, 0)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     state = {"p": params, "s": opt.init(params)}
-    step = partitioned_step(cfg, model, opt, params, state["s"], mesh_from_config(cfg), backend=None)
+    step = mesh_step(cfg, model, opt, params, mesh_from_config(cfg), backend=None)
     tokens = data.from_config(cfg.data)
     batch = data.get_batch(tokens, 0, batch_size=16, seq_len=64, seed=0)
 
     def run():
-        moe_dispatch.reset_stats()
         state["p"], state["s"], state["m"] = step(state["p"], state["s"], batch)
 
     seconds = _median(run, steps)
-    stats = moe_dispatch.exchange_stats()
-    return {"step_s": seconds, "a2a_bytes": sum(s["bytes"] for s in stats),
+    a2a = [r for r in step.jitted.lower(state["p"], state["s"], batch).comm_report() if r["op"] == "all_to_all"]
+    return {"step_s": seconds, "a2a_bytes": sum(r["bytes"] for r in a2a),
             "metrics": {k: float(v) for k, v in state["m"].items()}}
 
 

@@ -44,15 +44,15 @@ def one_rank(steps: int) -> dict:
 
     import shardfn as sf
     from shardfn import models
-    from shardfn.core.config import load_config
+    from shardfn.config import load_config
     from shardfn.runtime import data
     from shardfn.runtime.partitioned import partitioned_step
-    from shardfn.runtime.train import make_optimizer, make_train_step
+    from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config(None, [])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, 0)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     state = opt.init(params)
     tokens = data.from_config(cfg.data)
     batch = data.get_batch(tokens, 0, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0)
@@ -175,17 +175,17 @@ def lowering_times(layer_counts) -> list[dict]:
     import torch.distributed as dist
 
     from shardfn import models
-    from shardfn.core.config import load_config
+    from shardfn.config import load_config
     from shardfn.runtime import data
     from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
-    from shardfn.runtime.train import make_optimizer
+    from shardfn.runtime.train_step import make_optimizer
 
     rows = []
     for n in layer_counts:
         cfg = load_config(None, [f"model.n_layers={n}", "mesh.fsdp=2", "mesh.tp=2"])
         model = models.get(cfg.model_name)
         params = model.init(cfg.model, 0)
-        opt = make_optimizer(cfg.train)
+        opt = make_optimizer(cfg.train, model)
         state = opt.init(params)
         batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=8, seq_len=32, seed=0)
         mesh = mesh_from_config(cfg, fake=True)

@@ -77,7 +77,7 @@ def _rank(args: dict) -> dict:
     from shardfn.core import optim
     from shardfn.partition.pipeline import build_pipeline
     from shardfn.runtime import executor
-    from shardfn.runtime.schedules import get_schedule
+    from shardfn.partition.schedules import get_schedule
 
     pp, m = args["ranks"], args["microbatches"]
     mesh = sf.Mesh({"pp": pp})
@@ -122,7 +122,7 @@ def _mean_costs(events: list[dict]) -> dict[str, float]:
 
 def summarize(name: str, pp: int, m: int, runs_per_rank: list[list[dict]]) -> dict:
     from shardfn.runtime import executor
-    from shardfn.runtime.schedules import get_schedule, simulate
+    from shardfn.partition.schedules import get_schedule, simulate
 
     sched = get_schedule(name, pp, m, communication=False)
     runs = runs_per_rank[0]  # every rank gathered the same events

@@ -32,8 +32,8 @@ def case(ranks: int, hardware: str = "h200") -> dict:
     tic = time.perf_counter()
     import torch
 
-    from shardfn.core.config import load_config
-    from shardfn.partition.plan import make_plan
+    from shardfn.config import load_config
+    from shardfn.plan import make_plan
 
     dp = ranks // (PP * EP)
     rows = 16384 // (dp * EP)  # the config's global batch per data-parallel rank

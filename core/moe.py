@@ -25,8 +25,6 @@ MoE model's Config has them all).
 
 from __future__ import annotations
 
-import contextlib
-
 from typing import Callable, NamedTuple
 
 import torch
@@ -275,25 +273,6 @@ def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) ->
 # ----------------------------------------------------------------------------- the layer
 
 
-_routed_impl: list[Callable] = []
-
-
-@contextlib.contextmanager
-def routed_experts_impl(fn: Callable):
-    """Within this block, :func:`moe_layer` runs its routed experts with ``fn`` (same signature
-    as :func:`routed_experts`). The partitioner uses it to put the experts in a per-rank region
-    (expert parallelism: all-to-all dispatch in the runtime); model code never changes.
-
-        with routed_experts_impl(my_routed):
-            loss = model.loss(params, batch, cfg)
-    """
-    _routed_impl.append(fn)
-    try:
-        yield
-    finally:
-        _routed_impl.pop()
-
-
 def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = None) -> tuple[torch.Tensor, dict]:
     """A DeepSeek-V3 MoE feed-forward: routed experts (dropless) plus shared experts.
 
@@ -302,8 +281,9 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
             w2 [E, F, D]}`` and optionally ``shared: {w1 [D, n_shared*F], w3, w2}``.
         x: ``[B, S, D]``.
         cfg: see the module docstring.
-        routed_fn: ``(x, indices, weights, w1, w2, w3) -> y`` for the routed experts; the default
-            is the one set by :func:`routed_experts_impl`, else this device (:func:`routed_experts`).
+        routed_fn: ``(x, indices, weights, w1, w2, w3) -> y`` for the routed experts (None: this
+            device, :func:`routed_experts`); a layout passes its per-rank region here (expert
+            parallelism: the all-to-all exchange in the runtime), and model code never changes.
 
     Returns:
         ``(y [B, S, D], aux)`` with ``aux["expert_counts"]`` ``[E]`` int64 (assignments per expert)
@@ -317,7 +297,7 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
         flat = x.reshape(b * s, dim)                                           # [T, D]
         r = route(flat, p["router"], p.get("router_bias"), cfg)
         e = p["experts"]
-        routed_fn = routed_fn or (_routed_impl[-1] if _routed_impl else routed_experts)
+        routed_fn = routed_fn or routed_experts
         y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"])  # [T, D]
         if "shared" in p:
             y = y + swiglu(p["shared"], flat)

@@ -272,10 +272,13 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def clip_by_global_norm(max_norm: float) -> GradientTransformation:
+def clip_by_global_norm(max_norm: float, *, norm: Callable[[PyTree], torch.Tensor] = global_norm
+                        ) -> GradientTransformation:
     """Scale all updates by ``min(1, max_norm / (norm + 1e-6))``, like ``clip_grad_norm_``.
 
-    ``norm`` is the L2 norm over all leaves together; the state records it (before clipping) as
+    ``norm(updates)`` is the L2 norm over all leaves together (:func:`global_norm`); where the
+    updates are this rank's part of a larger tree (a pipeline stage's slices), pass the function
+    that adds the other ranks' parts. The state records the norm (before clipping) as
     ``state.global_norm``, e.g. for logging ``grad_norm``.
 
     Example:
@@ -290,9 +293,9 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
     def update(updates, state, params=None):
         del state, params
-        norm = global_norm(updates)
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        return tree_map(lambda u: u * scale.to(u.dtype), updates), ClipByGlobalNormState(norm)
+        total = norm(updates)
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        return tree_map(lambda u: u * scale.to(u.dtype), updates), ClipByGlobalNormState(total)
 
     return GradientTransformation(init, update)
 

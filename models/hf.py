@@ -68,11 +68,12 @@ import fnmatch
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
+from shardfn.models.hf_names import HFTensor
 
 __all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "INDEX_FILE"]
 
@@ -81,68 +82,9 @@ SKIPPED = ("model.layers.*.self_attn.rotary_emb.inv_freq",)
 """HF keys that are buffers, not parameters: always skipped."""
 
 
-class HFTensor(NamedTuple):
-    """How one of our parameters is assembled from HF tensors."""
-
-    path: str                        # our dotted path, e.g. "layers.attn.wq"
-    key: str                         # HF name, with {i} (layer) and {e} (expert) placeholders
-    layers: tuple[int, ...] | None   # HF layer indices stacked along our dim 0; None: not stacked
-    experts: int = 0                 # > 0: also stacked over {e} in range(experts), our next dim
-    transpose: bool = False          # HF [out, in] -> our [in, out]
-    rope: tuple[int, int, int] | None = None  # (rows per head, first rope row, rope rows): de-interleave
-
-    def keys(self) -> list[str]:
-        """The HF keys in stacking order (layer-major, then expert).
-
-        Example:
-            layout("llama", cfg)[3].keys()  # ['model.layers.0.self_attn.q_proj.weight', ...]
-        """
-        layers = self.layers if self.layers is not None else (None,)
-        experts = range(self.experts) if self.experts else (None,)
-        return [self.key.format(i=i, e=e) for i in layers for e in experts]
-
-
-# ----------------------------------------------------------------------------- the mapping
-
-
-def _linear(path: str, key: str, layers, **kw) -> HFTensor:
-    return HFTensor(path, key, layers, transpose=True, **kw)
-
-
-def _attention(stack: str, layers: tuple[int, ...], cfg, rope_interleave: bool) -> list[HFTensor]:
-    a, k = f"{stack}.attn", "model.layers.{i}.self_attn"
-    if getattr(cfg, "attention", "gqa") == "gqa":
-        return [_linear(f"{a}.w{x}", f"{k}.{x}_proj.weight", layers) for x in "qkvo"]
-    n, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    q_rope = (n + r, n, r) if rope_interleave else None
-    kv_rope = (cfg.kv_lora_rank + r, cfg.kv_lora_rank, r) if rope_interleave else None
-    if cfg.q_lora_rank:
-        q = [_linear(f"{a}.wq_a", f"{k}.q_a_proj.weight", layers),
-             HFTensor(f"{a}.q_norm", f"{k}.q_a_layernorm.weight", layers),
-             _linear(f"{a}.wq_b", f"{k}.q_b_proj.weight", layers, rope=q_rope)]
-    else:
-        q = [_linear(f"{a}.wq", f"{k}.q_proj.weight", layers, rope=q_rope)]
-    return q + [
-        _linear(f"{a}.wkv_a", f"{k}.kv_a_proj_with_mqa.weight", layers, rope=kv_rope),
-        HFTensor(f"{a}.kv_norm", f"{k}.kv_a_layernorm.weight", layers),
-        _linear(f"{a}.wkv_b", f"{k}.kv_b_proj.weight", layers),
-        _linear(f"{a}.wo", f"{k}.o_proj.weight", layers),
-    ]
-
-
-def _swiglu(path: str, key: str, layers, experts: int = 0) -> list[HFTensor]:
-    return [_linear(f"{path}.{ours}", f"{key}.{hf}_proj.weight", layers, experts=experts)
-            for ours, hf in (("w1", "gate"), ("w3", "up"), ("w2", "down"))]
-
-
-def _layer_stack(stack: str, layers: tuple[int, ...], cfg, rope_interleave: bool) -> list[HFTensor]:
-    norms = [HFTensor(f"{stack}.attn_norm", "model.layers.{i}.input_layernorm.weight", layers),
-             HFTensor(f"{stack}.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight", layers)]
-    return norms + _attention(stack, layers, cfg, rope_interleave)
-
-
 def layout(model_name: str, cfg, *, rope_interleave: bool | None = None) -> list[HFTensor]:
-    """Every parameter of ``model_name`` (``llama`` or ``moe``) and the HF tensors it comes from.
+    """Every parameter of ``model_name`` and the HF tensors it comes from: the model module's own
+    ``hf_tensors`` (``models.llama.hf_tensors``, ``models.moe.hf_tensors``).
 
     ``rope_interleave`` (MLA only; default True, as HF DeepSeek-V3): whether the HF q/k rope
     rows are stored interleaved (see the module docstring).
@@ -150,26 +92,16 @@ def layout(model_name: str, cfg, *, rope_interleave: bool | None = None) -> list
     Example:
         [t.path for t in layout("llama", llama.Config())][:3]  # ['embed', 'norm', 'out']
     """
-    if model_name not in ("llama", "moe"):
-        raise ValueError(f"no Hugging Face mapping for model {model_name!r}; valid models: llama, moe")
-    interleave = True if rope_interleave is None else rope_interleave
-    out = [HFTensor("embed", "model.embed_tokens.weight", None), HFTensor("norm", "model.norm.weight", None)]
-    if not cfg.tie_embeddings:
-        out.append(_linear("out", "lm_head.weight", None))
-    mlp = "model.layers.{i}.mlp"
-    if model_name == "llama":
-        layers = tuple(range(cfg.n_layers))
-        return out + _layer_stack("layers", layers, cfg, False) + _swiglu("layers.mlp", mlp, layers)
-    dense, moe = tuple(range(cfg.first_k_dense)), tuple(range(cfg.first_k_dense, cfg.n_layers))
-    if dense:
-        out += _layer_stack("dense_layers", dense, cfg, interleave) + _swiglu("dense_layers.mlp", mlp, dense)
-    out += _layer_stack("moe_layers", moe, cfg, interleave) + [
-        _linear("moe_layers.router", f"{mlp}.gate.weight", moe),
-        HFTensor("moe_layers.router_bias", f"{mlp}.gate.e_score_correction_bias", moe),
-    ] + _swiglu("moe_layers.experts", f"{mlp}.experts.{{e}}", moe, cfg.n_experts)
-    if cfg.n_shared_experts:
-        out += _swiglu("moe_layers.shared", f"{mlp}.shared_experts", moe)
-    return out
+    return _model(model_name).hf_tensors(cfg, rope_interleave=rope_interleave)
+
+
+def _model(model_name: str):
+    from shardfn import models
+
+    if model_name not in models.REGISTRY:
+        raise ValueError(f"no Hugging Face mapping for model {model_name!r}; valid models: "
+                         f"{', '.join(sorted(models.REGISTRY))}")
+    return models.get(model_name)
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -195,9 +127,7 @@ def _hf_shape(entry: HFTensor, ours: Sequence[int]) -> tuple[int, ...]:
 
 
 def _meta_params(model_name: str, cfg) -> PyTree:
-    from shardfn import models
-
-    return models.get(model_name).init(cfg, 0, device="meta")
+    return _model(model_name).init(cfg, 0, device="meta")
 
 
 def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
@@ -381,8 +311,8 @@ def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dty
     hf_config = tensors.config()
     if hf_config is not None:
         check_hf_config(hf_config, model_name, cfg, source=str(Path(directory) / "config.json"))
-        if rope_interleave is None and model_name == "moe":
-            rope_interleave = bool(hf_config.get("rope_interleave", True))
+        if rope_interleave is None and "rope_interleave" in hf_config:
+            rope_interleave = bool(hf_config["rope_interleave"])
     return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
                    ignore=ignore, source=str(directory))
 
@@ -423,20 +353,6 @@ def save(directory: str | os.PathLike, params: PyTree, model_name: str, cfg, *,
 # ----------------------------------------------------------------------------- config.json
 
 
-_COMMON = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
-           "num_attention_heads": "n_heads", "rope_theta": "rope_theta", "rms_norm_eps": "norm_eps",
-           "tie_word_embeddings": "tie_embeddings", "intermediate_size": "ffn_dim"}
-_LLAMA = {**_COMMON, "num_key_value_heads": "n_kv_heads"}
-_DEEPSEEK = {**_COMMON, "first_k_dense_replace": "first_k_dense", "q_lora_rank": "q_lora_rank",
-             "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
-             "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "n_experts",
-             "num_experts_per_tok": "top_k", "n_shared_experts": "n_shared_experts",
-             "moe_intermediate_size": "expert_ffn_dim", "scoring_func": "score_func", "n_group": "n_groups",
-             "topk_group": "topk_groups", "routed_scaling_factor": "route_scale", "norm_topk_prob": "norm_topk_prob"}
-MODEL_TYPES = {"llama": ("llama",), "moe": ("deepseek_v3", "kimi_k2")}
-"""HF ``model_type`` values each model loads."""
-
-
 def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.json") -> None:
     """ValueError naming every ``config.json`` value our ``model`` config disagrees with.
 
@@ -446,10 +362,11 @@ def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.jso
     Example:
         check_hf_config({"hidden_size": 4096, "num_hidden_layers": 32}, "llama", cfg)
     """
+    model = _model(model_name)
     model_type = hf.get("model_type")
-    if model_type is not None and model_type not in MODEL_TYPES[model_name]:
+    if model_type is not None and model_type not in model.HF_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not a {model_name!r} model (model.name={model_name} "
-                         f"loads {', '.join(MODEL_TYPES[model_name])}); set model.name to match the checkpoint")
+                         f"loads {', '.join(model.HF_MODEL_TYPES)}); set model.name to match the checkpoint")
     if hf.get("rope_scaling"):
         raise ValueError(f"{source}: rope_scaling {hf['rope_scaling']} is not modelled (plain RoPE only); "
                          f"load a checkpoint without RoPE scaling")
@@ -458,10 +375,7 @@ def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.jso
             raise ValueError(f"{source}: {flag} is true, but the models have no biases")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r}; the models use SwiGLU with silu")
-    table = dict(_LLAMA if model_name == "llama" else _DEEPSEEK)
-    gqa = model_name == "llama" or getattr(cfg, "attention", "mla") == "gqa"
-    if gqa:
-        table.update(num_key_value_heads="n_kv_heads", head_dim="head_dim")
+    table = model.hf_config_keys(cfg)
     wrong = [(hf_key, value, ours) for hf_key, ours in table.items() if hf_key in hf
              for value in [0 if hf_key == "q_lora_rank" and hf[hf_key] is None else hf[hf_key]]
              if value is not None and not _same(value, getattr(cfg, ours))]

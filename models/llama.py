@@ -26,6 +26,7 @@ partitioner shards this code from ``param_axes`` and rules.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 from shardfn.core import layers as L
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked
 from shardfn.core.pytree import PyTree, tree_map
-from shardfn.models import check, config_from_dict
+from shardfn.models import check, config_from_dict, hf_names
+from shardfn.models.hf_names import HFTensor
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,90 @@ def param_counts(cfg: Config) -> dict[str, int]:
     return {"total": total, "active": total}
 
 
+# ----------------------------------------------------------------------------- facts for the layers above
+
+
+FROZEN: tuple[str, ...] = ()
+"""Parameters the optimizer leaves alone: none."""
+
+
+def stacks(cfg: Config) -> list[tuple[str, int]]:
+    """The stacked-layer subtrees, in network order, with their layer counts.
+
+    Example:
+        stacks(Config())  # [("layers", 2)]
+    """
+    return [("layers", cfg.n_layers)]
+
+
+def with_layers(cfg: Config, counts: dict) -> Config:
+    """``cfg`` with ``counts["layers"]`` layers (a reduced model the planner traces).
+
+    Example:
+        with_layers(Config(n_layers=32), {"layers": 1}).n_layers  # 1
+    """
+    return dataclasses.replace(cfg, n_layers=counts["layers"])
+
+
+HF_MODEL_TYPES = ("llama",)
+"""Hugging Face ``model_type`` values this model loads (``LlamaForCausalLM``)."""
+
+
+def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTensor]:
+    """Every parameter and the HF tensors it is made of (see ``models.hf``).
+
+    HF Llama already uses our "rotate half" RoPE layout, so nothing is permuted
+    (``rope_interleave`` is accepted for the common signature and must not be true).
+
+    Example:
+        [t.path for t in hf_tensors(Config())][:3]  # ['embed', 'norm', 'out']
+    """
+    if rope_interleave:
+        raise ValueError("rope_interleave=True: Llama checkpoints store RoPE in the rotate-half layout")
+    layers = tuple(range(cfg.n_layers))
+    return (hf_names.outer(cfg.tie_embeddings) + hf_names.norms("layers", layers)
+            + hf_names.gqa_attention("layers", layers) + hf_names.swiglu("layers.mlp", "model.layers.{i}.mlp", layers))
+
+
+def hf_config_keys(cfg: Config) -> dict[str, str]:
+    """``config.json`` key -> Config field, for checking a checkpoint's config against ours."""
+    return {**hf_names.COMMON_CONFIG_KEYS, **hf_names.GQA_CONFIG_KEYS}
+
+
+def active_fraction(cfg: Config) -> dict[str, float]:
+    """Logical axis -> the share of it one token uses (a dense model uses all of every parameter)."""
+    return {}
+
+
+def experts_per_token(cfg: Config) -> int:
+    """Routed experts each token visits per MoE layer (the expert-parallel exchange's fan-out): none."""
+    return 0
+
+
+def attention_shape(cfg: Config) -> tuple[int, int, int]:
+    """``(heads, query/key head dim, value head dim)``, for attention FLOPs."""
+    return cfg.n_heads, cfg.head_dim, cfg.head_dim
+
+
+def aux_update(params: PyTree, aux: dict, cfg: Config) -> PyTree:
+    """The step's non-gradient parameter update: none for this model."""
+    return params
+
+
+def aux_metrics(aux: dict) -> dict[str, torch.Tensor]:
+    """Metrics from ``loss_and_aux``'s ``aux``: none for this model."""
+    return {}
+
+
+def layout_units(cfg: Config) -> dict[str, tuple[str, int]]:
+    """Logical axes that split only in whole units: ``axis -> (config key, count)``.
+
+    Example:
+        layout_units(Config())["heads"]  # ("n_heads", 4)
+    """
+    return {"heads": ("n_heads", cfg.n_heads), "kv_heads": ("n_kv_heads", cfg.n_kv_heads)}
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -188,10 +274,23 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
+def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
     """Mean cross-entropy of ``apply(params, batch["inputs"])`` against ``batch["targets"]``.
+
+    ``experts`` is the model contract's routed-expert hook (``models.moe``); a dense model has
+    no experts to run, so it is unused here.
 
     Example:
         loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
     """
     return cross_entropy(apply(params, batch["inputs"], cfg), batch["targets"])
+
+
+def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
+    """:func:`loss` and an empty ``aux`` (the model contract every model shares; see ``models.moe``:
+    ``experts`` runs routed experts, which a dense model has none of).
+
+    Example:
+        (value, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
+    """
+    return loss(params, batch, cfg), {}

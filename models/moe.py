@@ -37,6 +37,7 @@ RoPE is plain (no YaRN extension). No parallelism here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,8 @@ from shardfn.core import layers as L
 from shardfn.core import moe
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked, zeros
 from shardfn.core.pytree import PyTree, tree_map
-from shardfn.models import check, config_from_dict
+from shardfn.models import check, config_from_dict, hf_names
+from shardfn.models.hf_names import HFTensor
 from shardfn.models.llama import cross_entropy
 
 ATTENTIONS = ("mla", "gqa")
@@ -94,6 +96,7 @@ class Config:
     norm_topk_prob: bool = True   # divide the top-k weights by their sum
     aux_loss_alpha: float = 0.0   # sequence-wise balance loss coefficient (0: off)
     bias_update_rate: float = 1e-3  # aux-loss-free balancing speed, for the train step
+    capacity_factor: float = 0.0  # expert parallelism: at most this x the even share per expert (0: dropless)
     # the rest
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
@@ -134,7 +137,7 @@ class Config:
                   f"grouped expert GEMM); try {getattr(self, key) + (-getattr(self, key)) % GROUPED_MM_MULTIPLE}")
         for key in ("rope_theta", "norm_eps", "init_std", "route_scale"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("aux_loss_alpha", "bias_update_rate"):
+        for key in ("aux_loss_alpha", "bias_update_rate", "capacity_factor"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
     def _check_gqa(self):
@@ -282,6 +285,162 @@ def param_counts(cfg: Config) -> dict[str, int]:
     return {"total": total, "active": total - routed + routed * cfg.top_k // cfg.n_experts}
 
 
+# ----------------------------------------------------------------------------- facts for the layers above
+
+
+FROZEN = ("moe_layers.router_bias",)
+"""Parameters the optimizer leaves alone: the routers' selection bias moves by :func:`aux_update`."""
+
+
+def stacks(cfg: Config) -> list[tuple[str, int]]:
+    """The stacked-layer subtrees, in network order, with their layer counts (empty ones left out).
+
+    Example:
+        stacks(Config())  # [("dense_layers", 1), ("moe_layers", 2)]
+    """
+    return [(k, n) for k, n in (("dense_layers", cfg.first_k_dense), ("moe_layers", cfg.n_moe_layers)) if n > 0]
+
+
+def with_layers(cfg: Config, counts: dict) -> Config:
+    """``cfg`` with ``counts[stack]`` layers in each stack (a reduced model the planner traces).
+
+    Example:
+        with_layers(Config(), {"dense_layers": 1, "moe_layers": 1}).n_layers  # 2
+    """
+    dense = counts.get("dense_layers", 0)
+    return dataclasses.replace(cfg, first_k_dense=dense, n_layers=dense + counts.get("moe_layers", 0))
+
+
+def layout_units(cfg: Config) -> dict[str, tuple[str, int]]:
+    """Logical axes that split only in whole units: ``axis -> (config key, count)``.
+
+    Example:
+        layout_units(Config())["expert"]  # ("n_experts", 8)
+    """
+    units = {"heads": ("n_heads", cfg.n_heads), "expert": ("n_experts", cfg.n_experts)}
+    if cfg.attention == "gqa":
+        units["kv_heads"] = ("n_kv_heads", cfg.n_kv_heads)
+    return units
+
+
+def active_fraction(cfg: Config) -> dict[str, float]:
+    """Logical axis -> the share of it one token uses: ``top_k`` of the routed experts.
+
+    Example:
+        active_fraction(Config())  # {"expert": 0.25}
+    """
+    return {"expert": cfg.top_k / cfg.n_experts}
+
+
+def experts_per_token(cfg: Config) -> int:
+    """Routed experts each token visits per MoE layer (the expert-parallel exchange's fan-out).
+
+    Example:
+        experts_per_token(Config())  # 2
+    """
+    return cfg.top_k
+
+
+def attention_shape(cfg: Config) -> tuple[int, int, int]:
+    """``(heads, query/key head dim, value head dim)``, for attention FLOPs."""
+    if cfg.attention == "mla":
+        return cfg.n_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    return cfg.n_heads, cfg.head_dim, cfg.head_dim
+
+
+def aux_update(params: PyTree, aux: dict, cfg: Config) -> PyTree:
+    """``params`` after the step's non-gradient update: each router's selection bias moved by
+    auxiliary-loss-free balancing (:func:`shardfn.core.moe.update_expert_bias`) from
+    ``aux["expert_counts"]``, whose rows are the ``moe_layers`` the tree holds (a pipeline stage
+    passes the counts of its own layers).
+
+    Example:
+        params = aux_update(params, aux, cfg)   # aux from loss_and_aux
+    """
+    layers = params.get("moe_layers", {}) if isinstance(params, dict) else {}
+    if "router_bias" not in layers:
+        return params
+    bias = moe.update_expert_bias(layers["router_bias"], aux["expert_counts"], cfg.bias_update_rate)
+    return {**params, "moe_layers": {**layers, "router_bias": bias}}
+
+
+def aux_metrics(aux: dict) -> dict[str, torch.Tensor]:
+    """Per MoE layer ``i``, ``expert_load_max_over_mean/i``: the most-loaded expert's tokens over
+    the mean, from ``aux["expert_counts"]`` ``[n_moe_layers, n_experts]``.
+
+    Example:
+        aux_metrics({"expert_counts": torch.tensor([[4, 0, 2, 2]])})  # {"expert_load_max_over_mean/0": tensor(2.)}
+    """
+    counts = aux["expert_counts"].to(torch.float32)
+    load = counts.amax(-1) / counts.mean(-1).clamp_min(1.0)
+    return {f"expert_load_max_over_mean/{i}": load[i] for i in range(load.shape[0])}
+
+
+HF_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
+"""Hugging Face ``model_type`` values this model loads (``DeepseekV3ForCausalLM``)."""
+
+
+def _hf_mla(stack: str, layers: tuple[int, ...], cfg: Config, rope_interleave: bool) -> list[HFTensor]:
+    a, k = f"{stack}.attn", "model.layers.{i}.self_attn"
+    n, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    q_rope = (n + r, n, r) if rope_interleave else None
+    kv_rope = (cfg.kv_lora_rank + r, cfg.kv_lora_rank, r) if rope_interleave else None
+    if cfg.q_lora_rank:
+        q = [hf_names.linear(f"{a}.wq_a", f"{k}.q_a_proj.weight", layers),
+             HFTensor(f"{a}.q_norm", f"{k}.q_a_layernorm.weight", layers),
+             hf_names.linear(f"{a}.wq_b", f"{k}.q_b_proj.weight", layers, rope=q_rope)]
+    else:
+        q = [hf_names.linear(f"{a}.wq", f"{k}.q_proj.weight", layers, rope=q_rope)]
+    return q + [
+        hf_names.linear(f"{a}.wkv_a", f"{k}.kv_a_proj_with_mqa.weight", layers, rope=kv_rope),
+        HFTensor(f"{a}.kv_norm", f"{k}.kv_a_layernorm.weight", layers),
+        hf_names.linear(f"{a}.wkv_b", f"{k}.kv_b_proj.weight", layers),
+        hf_names.linear(f"{a}.wo", f"{k}.o_proj.weight", layers),
+    ]
+
+
+def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTensor]:
+    """Every parameter and the HF tensors it is made of (see ``models.hf``). HF layers
+    ``0 .. first_k_dense-1`` are ``dense_layers``, the rest ``moe_layers``.
+
+    ``rope_interleave`` (MLA; default True, as HF DeepSeek-V3): the q/k rope rows are stored
+    interleaved and are permuted once at load to our rotate-half layout.
+
+    Example:
+        [t.path for t in hf_tensors(Config())][-1]  # 'moe_layers.shared.w2'
+    """
+    interleave = True if rope_interleave is None else rope_interleave
+    mlp = "model.layers.{i}.mlp"
+
+    def stack(name: str, layers: tuple[int, ...]) -> list[HFTensor]:
+        attn = (hf_names.gqa_attention(name, layers) if cfg.attention == "gqa"
+                else _hf_mla(name, layers, cfg, interleave))
+        return hf_names.norms(name, layers) + attn
+
+    out = hf_names.outer(cfg.tie_embeddings)
+    dense, routed = tuple(range(cfg.first_k_dense)), tuple(range(cfg.first_k_dense, cfg.n_layers))
+    if dense:
+        out += stack("dense_layers", dense) + hf_names.swiglu("dense_layers.mlp", mlp, dense)
+    out += stack("moe_layers", routed) + [
+        hf_names.linear("moe_layers.router", f"{mlp}.gate.weight", routed),
+        HFTensor("moe_layers.router_bias", f"{mlp}.gate.e_score_correction_bias", routed),
+    ] + hf_names.swiglu("moe_layers.experts", f"{mlp}.experts.{{e}}", routed, cfg.n_experts)
+    if cfg.n_shared_experts:
+        out += hf_names.swiglu("moe_layers.shared", f"{mlp}.shared_experts", routed)
+    return out
+
+
+def hf_config_keys(cfg: Config) -> dict[str, str]:
+    """``config.json`` key -> Config field, for checking a checkpoint's config against ours."""
+    keys = {**hf_names.COMMON_CONFIG_KEYS, "first_k_dense_replace": "first_k_dense", "q_lora_rank": "q_lora_rank",
+            "kv_lora_rank": "kv_lora_rank", "qk_nope_head_dim": "qk_nope_head_dim",
+            "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "n_experts",
+            "num_experts_per_tok": "top_k", "n_shared_experts": "n_shared_experts",
+            "moe_intermediate_size": "expert_ffn_dim", "scoring_func": "score_func", "n_group": "n_groups",
+            "topk_group": "topk_groups", "routed_scaling_factor": "route_scale", "norm_topk_prob": "norm_topk_prob"}
+    return {**keys, **hf_names.GQA_CONFIG_KEYS} if cfg.attention == "gqa" else keys
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -298,14 +457,15 @@ def dense_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config) -> torch.Tens
     return h + L.swiglu(p["mlp"], L.rms_norm(h, p["mlp_norm"], cfg.norm_eps))   # [B, S, D]
 
 
-def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config) -> tuple[torch.Tensor, dict]:
-    """One MoE layer; ``p`` is a slice of ``params["moe_layers"]``. Returns ``(h, aux)``."""
+def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, experts=None) -> tuple[torch.Tensor, dict]:
+    """One MoE layer; ``p`` is a slice of ``params["moe_layers"]``. Returns ``(h, aux)``.
+    ``experts`` runs the routed experts (``core.moe.moe_layer``'s ``routed_fn``; None: this device)."""
     h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg)
-    y, aux = moe.moe_layer(p, L.rms_norm(h, p["mlp_norm"], cfg.norm_eps), cfg)
+    y, aux = moe.moe_layer(p, L.rms_norm(h, p["mlp_norm"], cfg.norm_eps), cfg, routed_fn=experts)
     return h + y, aux                                                            # [B, S, D]
 
 
-def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, dict]:
+def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
     """Logits ``[B, S, vocab]`` and ``aux``: ``expert_counts`` ``[n_moe_layers, E]`` int64 and
     ``balance_loss`` (0-d, the sum over layers, already times ``aux_loss_alpha``).
 
@@ -320,7 +480,7 @@ def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config) -> tuple[t
     counts, balance = [], []
     for i in range(cfg.n_moe_layers):
         with torch.profiler.record_function(f"shardfn.layer.{cfg.first_k_dense + i}"):
-            h, aux = moe_block(tree_map(lambda w: w[i], params["moe_layers"]), h, cos, sin, cfg)
+            h, aux = moe_block(tree_map(lambda w: w[i], params["moe_layers"]), h, cos, sin, cfg, experts)
         counts.append(aux["expert_counts"])
         balance.append(aux["balance_loss"])
     h = L.rms_norm(h, params["norm"], cfg.norm_eps)
@@ -338,25 +498,27 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     return apply_with_aux(params, tokens, cfg)[0]
 
 
-def loss_and_aux(params: PyTree, batch: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
+def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
     """Training loss (mean cross-entropy + balance loss) and ``aux``.
 
     ``aux``: ``expert_counts`` ``[n_moe_layers, n_experts]`` (tokens routed to each expert; feed
     it to ``core.moe.update_expert_bias`` for ``moe_layers.router_bias``), ``balance_loss`` and
-    ``ce_loss`` (0-d).
+    ``ce_loss`` (0-d). ``experts``: how the routed experts run, ``(x, indices, weights, w1, w2,
+    w3) -> y`` (None: on this device, ``core.moe.routed_experts``); a layout passes its per-rank
+    region (expert parallelism) here, and the model code does not change.
 
     Example:
         (value, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
     """
-    logits, aux = apply_with_aux(params, batch["inputs"], cfg)
+    logits, aux = apply_with_aux(params, batch["inputs"], cfg, experts=experts)
     ce = cross_entropy(logits, batch["targets"])
     return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
 
 
-def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
+def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
     """The training loss of :func:`loss_and_aux`, alone.
 
     Example:
         loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
     """
-    return loss_and_aux(params, batch, cfg)[0]
+    return loss_and_aux(params, batch, cfg, experts=experts)[0]

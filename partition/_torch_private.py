@@ -10,6 +10,11 @@
 - ``_ops.utils.redistribute_cost``: memoized per lowering (:func:`memoized_redistribute_costs`);
   DTensor asks it for the same (source, target) pair thousands of times while expanding op
   strategies over a 2-D mesh.
+- DTensor's sharding-propagation cache, cleared when a planner rebuilds the fake process group
+  (:func:`clear_sharding_cache`).
+- ``FakeTensorMode`` (:func:`fake_mode`): tensors with shapes and dtypes and no storage.
+- c10d's default process-group timeout, which the subgroups of a ``DeviceMesh`` inherit
+  (:func:`set_default_group_timeout`).
 """
 
 from __future__ import annotations
@@ -155,3 +160,30 @@ def faster_propagation():
     """
     with eager_strided_shard_sizes(), memoized_redistribute_costs():
         yield
+
+
+def clear_sharding_cache() -> None:
+    """Forget DTensor's cached sharding decisions (they are keyed by meshes that compare equal,
+    so a mesh rebuilt on a new fake process group would reuse the old group's collectives)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
+def fake_mode():
+    """A ``FakeTensorMode`` that also accepts real tensors as inputs.
+
+        with fake_mode():
+            params = model.init(cfg, 0)   # shapes and dtypes, no storage
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def set_default_group_timeout(timeout) -> None:
+    """The timeout (a ``datetime.timedelta``) of every process group created from now on,
+    the subgroups a ``DeviceMesh`` makes included (c10d's default is 30 minutes)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout

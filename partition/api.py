@@ -19,7 +19,7 @@ from shardfn.partition import report
 from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
-from shardfn.partition.spec import AUTO, P, broadcast_specs, check_divisible
+from shardfn.partition.spec import AUTO, broadcast_specs, check_divisible
 from shardfn.partition.trace import Traced, flatten_args, trace
 
 
@@ -34,9 +34,8 @@ class LoweredStep:
         self.out_specs = out_specs
         self.arg_roles = arg_roles
         self._compiled = None
-        # MoE layers exchange tokens in the runtime, which records each exchange
-        self.has_local_regions = any(
-            n.target is torch.ops.shardfn.local_region.default for n in traced.graph_module.graph.nodes)
+        # regions that communicate by themselves (an MoE exchange) record what they moved
+        self.records = [r.records for r in traced.regions if r.records is not None]
 
     @property
     def graph_module(self) -> torch.fx.GraphModule:
@@ -56,10 +55,8 @@ class LoweredStep:
         whose sizes depend on routing, run in the runtime: after a step has run they appear as
         one row per layer (``layer`` key) with the bytes that step moved."""
         rows = report.comm_report(self.graph_module, self.mesh)
-        if self.has_local_regions:
-            from shardfn.runtime.moe_dispatch import exchange_report
-
-            rows += exchange_report(self.mesh)
+        for records in self.records:
+            rows += records.rows(self.mesh)
         return rows
 
     def memory_report(self) -> dict:
@@ -84,10 +81,8 @@ class LoweredStep:
         return self._compiled[1]
 
     def __call__(self, *args, backend: str | None = "inductor"):
-        if self.has_local_regions:
-            from shardfn.runtime.moe_dispatch import reset_stats
-
-            reset_stats()  # the exchange records are this call's: they neither pile up nor renumber layers
+        for records in self.records:
+            records.reset()  # this call's: the records neither pile up nor renumber layers
         leaves, _, _ = flatten_args(args)
         local = [
             _to_local(x, self.mesh, pl, path)
@@ -133,11 +128,9 @@ class Jitted:
             return self._cache[key]
         args = _global_stand_ins(args)  # a first call may pass DTensors (a resumed run's, or a step's own outputs)
         if _has_auto(self.in_specs):
-            from shardfn.partition import auto
-
             fixed = None if self.in_specs is AUTO else self.in_specs
-            step, result = auto.jit_auto(self.fn, self.mesh, args, arg_names=self.arg_names,
-                                         fixed_specs=fixed, memory_budget=self.memory_budget)
+            step, result = jit_auto(self.fn, self.mesh, args, arg_names=self.arg_names,
+                                    fixed_specs=fixed, memory_budget=self.memory_budget)
             step.auto = result  # the solver's choice: .to_rules_yaml(), .comparison_table(...)
             self._cache[key] = step
             return step
@@ -203,6 +196,29 @@ def jit(
         raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
                         f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget)
+
+
+def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):
+    """Trace ``fn(*args)``, solve, apply and lower: ``(lowered_step, result)``.
+
+    ``lowered_step`` is the ``LoweredStep`` that ``sf.jit(...).lower(*args)`` returns (call it
+    with the same arguments; ``backend=None`` runs it uncompiled). Keyword arguments go to
+    :func:`solve`.
+
+        step, result = jit_auto(train_step, mesh, (params, batch), memory_budget=8e9)
+        new_params, loss = step(params, batch, backend=None)
+    """
+    from shardfn.partition import auto
+
+    with mesh_scope(mesh):
+        traced = trace(fn, tuple(args))
+    result = auto.solve(traced, mesh, arg_names=arg_names, **solve_kwargs)
+    in_specs = auto.apply(traced, result)
+    in_pl = [result._problem._placements(s, m.ndim, where="input") for s, m in zip(in_specs, traced.in_meta)]
+    out_pl = [result._problem._placements(s, m.ndim, where="output") for s, m in zip(result.out_specs, traced.out_meta)]
+    lowered = lower(traced, mesh, in_pl, out_pl)
+    roles = [arg_names[i] if arg_names else f"arg{i}" for i in _arg_index_of_leaves(tuple(args))]
+    return LoweredStep(traced, lowered, mesh, in_specs, list(result.out_specs), roles), result
 
 
 def _global_stand_ins(args) -> Any:

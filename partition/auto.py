@@ -13,8 +13,8 @@ memory budget (Alpa / meta-pytorch autoparallel formulation, solved with HiGHS t
     print(result.summary()); print(result.to_rules_yaml(arg_names=("params", "batch")))
     in_specs = apply(traced, result)     # imposes the plan on the graph (node.meta["sf_force"])
 
-Or in one call, trace -> solve -> apply -> lower: ``step, result = jit_auto(train_step, mesh,
-(params, batch))`` and then ``step(params, batch)``. See docs/autoshard.md for the formulation.
+``sf.jit(..., in_specs=sf.AUTO)`` does trace -> solve -> apply -> lower in one call
+(``partition.api.jit_auto``). See docs/autoshard.md for the formulation.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import operator
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import optree
@@ -33,12 +33,13 @@ import yaml
 from torch.distributed.tensor import Partial, Replicate
 from torch.fx.node import map_arg
 
+from shardfn.core.units import format_bytes
 from shardfn.partition import _strategies as strategies
 from shardfn.partition import constrain as _constrain_ops  # noqa: F401  (registers shardfn::constrain)
 from shardfn.partition import local_map as _local_map_ops  # noqa: F401  (registers shardfn::local_region)
 from shardfn.partition.cost import CostModel, Transition, is_view
 from shardfn.partition.hardware import Hardware, load_hardware
-from shardfn.partition.spec import AUTO, P, broadcast_specs, to_placements, to_spec
+from shardfn.partition.spec import AUTO, P, broadcast_specs, entry_axes, to_placements, to_spec
 from shardfn.partition.trace import Traced
 
 aten = torch.ops.aten
@@ -600,7 +601,6 @@ class _Problem:
 
     # -- solving -----------------------------------------------------------------------------
     def solve(self, fixed: list, budget: float | None, time_limit_s: float) -> "_Solution":
-        from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import csr_matrix
 
         t0 = time.perf_counter()
@@ -871,12 +871,12 @@ class AutoResult:
     def summary(self) -> str:
         """A few lines: status, estimated step, memory, the chosen input specs."""
         c = self.cost
-        budget = "none" if self.memory_budget is None else _fmt_bytes(self.memory_budget)
+        budget = "none" if self.memory_budget is None else format_bytes(self.memory_budget)
         status = self.status if self.status == "optimal" else f"{self.status} ({self.stats.get('message', '')})"
         lines = [
             f"auto-sharding on mesh {_fmt_mesh(self.mesh_axes)} ({self.hardware}): {status}",
             f"  step {_fmt_s(c.step_s)} = compute {_fmt_s(c.compute_s)} + comm {_fmt_s(c.comm_s)} "
-            f"+ reshard {_fmt_s(c.reshard_s)}; memory {_fmt_bytes(c.memory_bytes)} per rank (budget {budget})",
+            f"+ reshard {_fmt_s(c.reshard_s)}; memory {format_bytes(c.memory_bytes)} per rank (budget {budget})",
             f"  {self.stats['nodes']} nodes in {self.stats['classes']} classes, {self.stats['variables']} variables; "
             f"build {self.stats['build_s']:.2f} s, solve {self.stats['solve_s']:.2f} s",
         ]
@@ -894,7 +894,7 @@ class AutoResult:
         c = self.cost
         lines = [
             f"# shardfn auto-sharding plan: mesh {_fmt_mesh(self.mesh_axes)} on {self.hardware} ({self.status})",
-            f"# estimated step {_fmt_s(c.step_s)}, memory {_fmt_bytes(c.memory_bytes)} per rank",
+            f"# estimated step {_fmt_s(c.step_s)}, memory {format_bytes(c.memory_bytes)} per rank",
         ]
         for path, spec in zip(self._problem.traced.in_paths, self.in_specs):
             key = _yaml_key(_pretty(path, names))
@@ -954,7 +954,7 @@ class AutoResult:
             note = r["status"] + ("" if r["fits"] else ", over the memory budget")
             lines.append(
                 f"{r['name']:<10} {_fmt_s(r['step_s']):>10} {_fmt_s(r['compute_s']):>10} {_fmt_s(r['comm_s']):>10} "
-                f"{_fmt_s(r['reshard_s']):>10} {_fmt_bytes(r['memory_bytes']):>12}  {note}"
+                f"{_fmt_s(r['reshard_s']):>10} {format_bytes(r['memory_bytes']):>12}  {note}"
             )
         return "\n".join(lines)
 
@@ -1012,8 +1012,8 @@ def solve(
         if sol.status == "infeasible":
             smallest = sum(int(prob.value_bytes(prob.index[ph]).min()) for ph in prob.placeholders)
             raise ValueError(
-                f"auto-sharding: no layout fits memory_budget={_fmt_bytes(budget)} per rank on mesh "
-                f"{_fmt_mesh(mesh.axes)}; the inputs alone need at least {_fmt_bytes(smallest)} per rank, and the "
+                f"auto-sharding: no layout fits memory_budget={format_bytes(budget)} per rank on mesh "
+                f"{_fmt_mesh(mesh.axes)}; the inputs alone need at least {format_bytes(smallest)} per rank, and the "
                 f"step's activations and gradients come on top. Raise memory_budget, use a larger mesh, or "
                 f"shrink the batch or the sequence"
             )
@@ -1100,32 +1100,6 @@ def apply(traced: Traced, result: AutoResult) -> list:
     return list(result.in_specs)
 
 
-def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):
-    """Trace ``fn(*args)``, solve, apply and lower: ``(lowered_step, result)``.
-
-    ``lowered_step`` is the ``LoweredStep`` that ``sf.jit(...).lower(*args)`` returns (call it
-    with the same arguments; ``backend=None`` runs it uncompiled). Keyword arguments go to
-    :func:`solve`.
-
-        step, result = jit_auto(train_step, mesh, (params, batch), memory_budget=8e9)
-        new_params, loss = step(params, batch, backend=None)
-    """
-    from shardfn.partition.api import LoweredStep, _arg_index_of_leaves
-    from shardfn.partition.local_map import mesh_scope
-    from shardfn.partition.lower import lower
-    from shardfn.partition.trace import trace
-
-    with mesh_scope(mesh):
-        traced = trace(fn, tuple(args))
-    result = solve(traced, mesh, arg_names=arg_names, **solve_kwargs)
-    in_specs = apply(traced, result)
-    in_pl = [result._problem._placements(s, m.ndim, where="input") for s, m in zip(in_specs, traced.in_meta)]
-    out_pl = [result._problem._placements(s, m.ndim, where="output") for s, m in zip(result.out_specs, traced.out_meta)]
-    lowered = lower(traced, mesh, in_pl, out_pl)
-    roles = [arg_names[i] if arg_names else f"arg{i}" for i in _arg_index_of_leaves(tuple(args))]
-    return LoweredStep(traced, lowered, mesh, in_specs, list(result.out_specs), roles), result
-
-
 # ============================================================================ presets and YAML
 
 
@@ -1184,7 +1158,7 @@ def presets(mesh, args: tuple, param_axes: Any, *, params_argnum: int = 0, batch
         pspecs = tree_map(lambda spec, x: _fit(spec, x.shape, mesh.axes), pspecs, args[params_argnum],
                           is_leaf=lambda v: isinstance(v, P))
         target = rules.get("batch")
-        names = [target] if isinstance(target, str) else list(target or [])
+        names = entry_axes(target)
         specs = []
         for i, a in enumerate(args):
             if i == params_argnum % n:
@@ -1202,7 +1176,7 @@ def _fit(spec: P, shape, axis_sizes: dict) -> P:
     entries = []
     for dim, entry in enumerate(spec):
         kept, size = [], 1
-        for name in [entry] if isinstance(entry, str) else list(entry or ()):
+        for name in entry_axes(entry):
             if dim < len(shape) and shape[dim] % (size * axis_sizes[name]) == 0:
                 kept.append(name)
                 size *= axis_sizes[name]
@@ -1370,13 +1344,6 @@ def _fmt_s(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.2f} ms"
     return f"{s * 1e6:.1f} us"
-
-
-def _fmt_bytes(b: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{int(b)} B"
 
 
 def _fmt_mesh(axes: dict) -> str:

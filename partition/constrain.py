@@ -79,7 +79,6 @@ def constrain(x: Any, spec: Any) -> Any:
 
         h = constrain(h, P("dp", None, "tp"))
     """
-    from shardfn.core.pytree import tree_map
     from shardfn.partition.spec import broadcast_specs
     import optree
 

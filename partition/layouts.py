@@ -1,65 +1,112 @@
-"""Layouts from a config: logical-axis rules -> specs for params, optimizer state and batch.
+"""Layout facts, each in one place: mesh axes, logical-axis rules, the specs they give, and the
+checks that a layout fits a model and a batch.
 
-Mesh axes in configs are ``pp dp fsdp ep tp``. The default rules give the textbook layouts:
-``dp`` replicates params and splits the batch; ``fsdp`` also splits every weight's ``embed`` dim
-(ZeRO-3: stored sharded, gathered on use); ``tp`` splits ``heads``/``kv_heads``/``mlp``/``expert_mlp``
-column-then-row (Megatron); ``ep`` splits ``expert`` and acts as one more data axis elsewhere.
+Mesh axes are ``pp dp fsdp ep tp``, major to minor (``tp`` varies fastest, so it stays within a
+node). The default rules give the textbook layouts: ``dp`` replicates parameters and splits the
+batch; ``fsdp`` also splits every weight's ``embed`` dim (ZeRO-3: stored sharded, gathered on
+use); ``tp`` splits ``heads``/``kv_heads``/``mlp``/``expert_mlp``/``vocab`` column-then-row
+(Megatron); ``ep`` splits ``expert`` and acts as one more data axis elsewhere; ``pp`` splits the
+``layers`` into pipeline stages (``partition.stages``).
 
-    rules = resolve_rules(cfg.rules, mesh)
-    specs = param_specs(model.param_axes(model_cfg), rules, mesh)
+    rules = resolve_rules(cfg.rules, mesh.axes)
+    specs = param_specs(model.param_axes(model_cfg), rules, mesh.axes)
+    check_model(model, model_cfg, mesh.axes, rules)     # LayoutError naming mesh.tp, mesh.ep, ...
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Mapping
 
 import optree
+import torch
 
-from shardfn.partition.spec import P, specs_from_rules
+from shardfn.core.pytree import flatten_with_paths
+from shardfn.partition.errors import LayoutError
+from shardfn.partition.spec import P, entry_axes, specs_from_rules
+
+MESH_AXES = ("pp", "dp", "fsdp", "ep", "tp")
+"""Mesh axis names, major to minor."""
 
 DATA_AXES = ("dp", "fsdp", "ep")
+"""The axes the global batch is split over by default (``rules.batch``)."""
+
+LOGICAL_AXES = (
+    "batch", "seq",  # activations
+    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
+    "expert", "expert_mlp", "q_lora", "kv_lora", "layers", "norm",
+)
+"""Logical axis names that rules may map (see docs/architecture.md)."""
 
 DEFAULT_RULES: dict[str, Any] = {
-    "batch": list(DATA_AXES),
-    "embed": "fsdp",
-    "heads": "tp",
+    "batch": list(DATA_AXES),  # the global batch is split over every data-parallel axis
+    "seq": None,
+    "vocab": "tp",
+    "embed": "fsdp",  # ZeRO-3: parameters sharded along their embed dim
+    "heads": "tp",  # Megatron tensor parallelism: column-parallel q/k/v, row-parallel o
     "kv_heads": "tp",
+    "head_dim": None,
     "mlp": "tp",
-    "expert_mlp": "tp",
     "expert": "ep",
-    "vocab": None,
-    "layers": None,
+    "expert_mlp": "tp",
+    "q_lora": None,
+    "kv_lora": None,
+    "layers": None,  # pipeline stages split the layers (partition.stages)
+    "norm": None,
 }
+"""Rules for any logical axis a config does not mention (MaxText/TorchTitan-like layout)."""
 
 
-def resolve_rules(user_rules: dict | None, mesh) -> dict[str, Any]:
-    """Default rules updated by the config's ``rules``, keeping only axes the mesh has."""
+def mesh_axes(sizes: Mapping[str, int], *, include_pp: bool = True) -> dict[str, int]:
+    """``sizes`` as ordered mesh axes (missing ones are 1); ``pp`` left out unless asked.
+
+    Example:
+        mesh_axes({"tp": 2, "dp": 2}, include_pp=False)   # {'dp': 2, 'fsdp': 1, 'ep': 1, 'tp': 2}
+    """
+    return {a: int(sizes.get(a, 1)) for a in MESH_AXES if include_pp or a != "pp"}
+
+
+def resolve_rules(user_rules: Mapping | None, axes: Mapping[str, int]) -> dict[str, Any]:
+    """:data:`DEFAULT_RULES` updated by ``user_rules``, each target narrowed to the axes in ``axes``.
+
+    Raises:
+        ValueError: a rule names an axis that is neither in ``axes`` nor a mesh axis.
+
+    Example:
+        resolve_rules({"embed": None}, {"dp": 2, "tp": 2})["heads"]   # 'tp'
+    """
     rules = dict(DEFAULT_RULES)
     rules.update(user_rules or {})
     out = {}
     for logical, target in rules.items():
-        names = [target] if isinstance(target, str) else list(target or [])
+        names = entry_axes(target)
         for name in names:
-            if name not in mesh.axes and name not in ("pp", *DATA_AXES, "tp"):
-                raise ValueError(
-                    f"rules.{logical}: unknown mesh axis {name!r}; the mesh has axes {mesh.names}"
-                )
-        kept = [n for n in names if n in mesh.axes]
+            if name not in axes and name not in MESH_AXES:
+                raise ValueError(f"rules.{logical}: unknown mesh axis {name!r}; the mesh has axes {tuple(axes)}")
+        kept = [n for n in names if n in axes]
         out[logical] = kept[0] if len(kept) == 1 else (kept or None)
     return out
 
 
-def param_specs(axes_tree: Any, rules: dict, mesh) -> Any:
-    """A ``P`` per parameter from its logical axes."""
-    return specs_from_rules(axes_tree, {k: v for k, v in rules.items() if k != "batch"}, mesh.axes)
+def param_specs(axes_tree: Any, rules: dict, axes: Mapping[str, int]) -> Any:
+    """A ``P`` per parameter from its logical axes (the ``batch`` rule is for activations)."""
+    return specs_from_rules(axes_tree, {k: v for k, v in rules.items() if k != "batch"}, dict(axes))
 
 
-def batch_spec(rules: dict, mesh) -> P:
-    """The spec of a ``[batch, seq]`` array: batch over the data axes the rules name."""
-    target = rules.get("batch")
-    names = [target] if isinstance(target, str) else list(target or [])
-    names = [n for n in names if mesh.axes.get(n, 1) > 1]
-    return P(tuple(names)) if len(names) > 1 else P(names[0] if names else None)
+def batch_axes(rules: Mapping, axes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that split the batch (``rules.batch``), major to minor."""
+    return tuple(n for n in entry_axes(rules.get("batch")) if axes.get(n, 1) > 1)
+
+
+def batch_spec(rules: Mapping, axes: Mapping[str, int]) -> P:
+    """The spec of a ``[batch, ...]`` array: its first dim over the batch axes."""
+    names = batch_axes(rules, axes)
+    return P(names if len(names) > 1 else (names[0] if names else None))
+
+
+def data_size(rules: Mapping, axes: Mapping[str, int]) -> int:
+    """How many ways the global batch is split: the product of the batch axes' sizes."""
+    return math.prod(axes.get(n, 1) for n in entry_axes(rules.get("batch")))
 
 
 def state_specs(state: Any, params: Any, specs: Any) -> Any:
@@ -79,3 +126,89 @@ def state_specs(state: Any, params: Any, specs: Any) -> Any:
         is_leaf=like_params,
         none_is_leaf=False,
     )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_batch(batch_size: int, data: int, microbatches: int = 1, *, data_axes=DATA_AXES) -> None:
+    """Raise :class:`LayoutError` unless the global batch splits over ``data`` ranks and then
+    into ``microbatches`` equal microbatches per rank.
+
+    Example:
+        check_batch(16, data=3)   # LayoutError: train.batch_size: 16 is not divisible by ...
+    """
+    axes = "*".join(data_axes)
+    if batch_size % data:
+        raise LayoutError("train.batch_size", f"{batch_size} is not divisible by the data-parallel size {axes} = "
+                                              f"{data}; use a multiple of {data}")
+    per_rank = batch_size // data
+    if per_rank % microbatches:
+        raise LayoutError("pipeline.microbatches", f"{microbatches} does not divide the per-rank batch "
+                                                   f"train.batch_size / ({axes}) = {per_rank}; use one of "
+                                                   f"{divisors(per_rank)}")
+
+
+def check_divides(names, axes: Mapping[str, int], key: str, count: int) -> None:
+    """Raise :class:`LayoutError` unless the mesh axes ``names`` together divide ``count`` (the
+    model config's ``key``: heads, experts), which they split in whole units.
+
+    Example:
+        check_divides(["ep"], {"ep": 3}, "n_experts", 8)   # mesh.ep: 3 does not divide model.n_experts = 8; ...
+    """
+    n = math.prod(axes[a] for a in names)
+    if n > 1 and count % n:
+        axis = names[-1]
+        over = f" (split over {tuple(names)})" if len(names) > 1 else ""
+        raise LayoutError(f"mesh.{axis}", f"{axes[axis]} does not divide model.{key} = {count}{over}: every rank "
+                                          f"holds the same number; use one of {divisors(count)}")
+
+
+def check_stages(n_layers: int, pp: int, n_stages: int | None = None) -> None:
+    """Raise :class:`LayoutError` unless ``pp`` ranks holding ``n_stages`` stages (default one
+    each) fit ``n_layers`` layers: a stage holds at least one layer.
+
+    Example:
+        check_stages(2, pp=4)   # LayoutError: mesh.pp: 4 pipeline stages for model.n_layers = 2 layers; ...
+    """
+    stages = pp if n_stages is None else n_stages
+    if pp > n_layers:
+        raise LayoutError("mesh.pp", f"{pp} pipeline stages for model.n_layers = {n_layers} layers; "
+                                     f"use at most {n_layers}")
+    if stages > n_layers:
+        per_rank = stages // max(pp, 1)
+        raise LayoutError("mesh.pp", f"{pp} ranks x {per_rank} stages each = {stages} stages for "
+                                     f"{n_layers} layers; use mesh.pp <= {n_layers // per_rank}")
+
+
+def check_model(model, model_cfg, axes: Mapping[str, int], rules: Mapping | None = None, *,
+                n_stages: int | None = None) -> None:
+    """Raise :class:`LayoutError` naming the mesh axis when a layout cannot split ``model``.
+
+    Checks, in order: ``pp`` (or ``n_stages``) against the layers; every logical axis the model
+    counts in whole units (``model.layout_units``: heads, kv heads, experts) against the mesh
+    axes its rule splits it over; and every parameter dim against the axes it is split over.
+
+    Example:
+        check_model(moe, cfg, {"ep": 3})   # LayoutError: mesh.ep: 3 does not divide model.n_experts = 8; ...
+    """
+    rules = resolve_rules(rules, axes)
+    check_stages(model_cfg.n_layers, axes.get("pp", 1), n_stages)
+    for logical, (key, count) in model.layout_units(model_cfg).items():
+        names = [n for n in entry_axes(rules.get(logical)) if axes.get(n, 1) > 1]
+        check_divides(names, axes, key, count)
+    specs = param_specs(model.param_axes(model_cfg), rules, axes)
+    params = model.init(model_cfg, 0, device="meta", dtype=torch.float32)
+    spec_leaves = optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P), none_is_leaf=False)
+    for (path, x), spec in zip(flatten_with_paths(params), spec_leaves):
+        for dim, entry in enumerate(spec):
+            names = entry_axes(entry)
+            n = math.prod(axes.get(a, 1) for a in names)
+            if n > 1 and x.shape[dim] % n:
+                raise LayoutError(f"mesh.{names[-1]}", f"{n} does not divide dim {dim} (size {x.shape[dim]}) of "
+                                                       f"parameter {path} {list(x.shape)}, split over {tuple(names)}; "
+                                                       f"pick a size that divides it, or change its rule")

@@ -15,23 +15,34 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Protocol
 
 import optree
 import torch
 
+from shardfn.core.registry import Registry
 from shardfn.partition.constrain import tracing
-from shardfn.partition.spec import broadcast_specs
+from shardfn.partition.spec import broadcast_specs, entry_axes
 
 _state = threading.local()
 
 
-@dataclass
+class Records(Protocol):
+    """What a region that communicates by itself reports (an MoE exchange's all-to-alls): the
+    program that runs it starts the records afresh each call and lists them in its comm report."""
+
+    def reset(self) -> None: ...
+
+    def rows(self, mesh) -> list[dict]: ...
+
+
+@dataclass(eq=False)
 class Region:
     fn: Callable
     in_specs: Any
     out_specs: Any
     bwd: Callable | None = None    # bwd(inputs, outputs, output_cotangents) -> input cotangents
+    records: Records | None = None  # the collectives fn runs itself, recorded per call
     in_treedef: Any = None
     out_treedef: Any = None
     in_leaf_specs: list | None = None
@@ -48,11 +59,29 @@ class Region:
         return leaves
 
 
-_regions: list[Region] = []
+_regions = Registry("local_map region")
 
 
 def region(rid: int) -> Region:
+    """The region a ``shardfn::local_region`` node names (alive while its traced program is)."""
     return _regions[rid]
+
+
+@contextlib.contextmanager
+def collecting_regions():
+    """Within this block, every region a trace calls is appended to the yielded list, so the
+    traced program can own them (a region made inside the traced function is otherwise freed
+    when that function returns).
+
+        with collecting_regions() as regions:
+            gm = make_fx(fn)(*args)
+    """
+    prev = getattr(_state, "regions", None)
+    _state.regions = found = []
+    try:
+        yield found
+    finally:
+        _state.regions = prev
 
 
 @contextlib.contextmanager
@@ -74,7 +103,7 @@ def _scale(shape, spec, mesh, factor: int) -> list[int]:
     """Local -> global shape (factor=+1) or global -> local (factor=-1) under ``spec``."""
     out = list(shape)
     for dim, entry in enumerate(spec or ()):
-        names = [entry] if isinstance(entry, str) else list(entry or ())
+        names = entry_axes(entry)
         for name in names:
             if name not in mesh.axes:
                 raise ValueError(f"sf.local_map: unknown mesh axis {name!r} in {spec!r}; the mesh has axes "
@@ -181,7 +210,8 @@ def _out_shape(rid: int, i: int, xs) -> list[int]:
     return list(shape) if mesh is None else _scale(shape, reg.out_leaf_specs[i], mesh, +1)
 
 
-def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | None = None) -> Callable:
+def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | None = None,
+              records: Records | None = None) -> Callable:
     """A per-rank region: ``fn`` runs on local shards laid out by ``in_specs`` and its outputs
     are taken as shards under ``out_specs``.
 
@@ -193,12 +223,15 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | No
             shards (None for no cotangent). Without it the backward is ``torch.func.vjp`` of
             ``fn``, which runs ``fn`` again; give ``bwd`` when ``fn`` communicates (an MoE
             exchange) or saves what its backward needs in its outputs.
+        records: when ``fn`` (or ``bwd``) runs collectives itself, what it moved (a
+            :class:`Records`): ``LoweredStep.comm_report`` lists its rows, and each call of the
+            program starts them afresh.
 
     Example:
         f = local_map(lambda x: x * 2, in_specs=(P("dp"),), out_specs=P("dp"))
         y = f(x)
     """
-    reg = Region(fn, in_specs, out_specs, bwd)
+    reg = Region(fn, in_specs, out_specs, bwd, records)
 
     def wrapped(*args):
         if not tracing():
@@ -206,9 +239,10 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | No
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)
         reg.in_treedef = treedef
         reg.in_leaf_specs = broadcast_specs(in_specs, args, what="local_map in_specs")
-        if reg not in _regions:
-            _regions.append(reg)
-        rid = _regions.index(reg)
+        rid = _regions.add(reg)
+        found = getattr(_state, "regions", None)
+        if found is not None and reg not in found:
+            found.append(reg)
         outs = _RegionFn.apply(rid, *leaves)
         return optree.tree_unflatten(reg.out_treedef, list(outs))
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 _LAUNCH_HINT = (
     "launch one process per rank, e.g. `torchrun --nproc-per-node N ...` or "
@@ -129,3 +129,30 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
         f"Mesh of {size} devices: no process group is initialised and the torchrun variables "
         f"(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are not set; {_LAUNCH_HINT}"
     )
+
+
+_FAKE: dict = {"world": None, "meshes": {}}
+
+
+def fake_mesh(axes: dict) -> Mesh:
+    """A :class:`Mesh` of ``axes`` on torch's fake process group, one per shape while that group lives.
+
+    DTensor caches sharding decisions keyed by meshes that compare equal, so a second mesh of a
+    shape already seen would get collectives on the first one's process groups; this reuses the
+    mesh of each shape, and clears that cache when the fake group is rebuilt (another world size).
+
+    Example:
+        mesh = fake_mesh({"dp": 16, "ep": 64})   # 1024 simulated ranks in this process
+    """
+    from shardfn.partition._torch_private import clear_sharding_cache
+
+    key = tuple(axes.items())
+    alive = dist.is_initialized() and dist.group.WORLD is _FAKE["world"]
+    if alive and key in _FAKE["meshes"]:
+        return _FAKE["meshes"][key]
+    mesh = Mesh(dict(axes), fake=True)
+    if dist.group.WORLD is not _FAKE["world"]:
+        clear_sharding_cache()
+        _FAKE.update(world=dist.group.WORLD, meshes={})
+    _FAKE["meshes"][key] = mesh
+    return mesh

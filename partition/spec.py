@@ -42,10 +42,7 @@ class P(tuple):
 
     def axes(self) -> list[str]:
         """All mesh-axis names this spec uses, in order."""
-        out = []
-        for e in self:
-            out.extend([e] if isinstance(e, str) else list(e or ()))
-        return out
+        return [a for e in self for a in entry_axes(e)]
 
 
 class _Auto:
@@ -79,7 +76,7 @@ def to_placements(
     placements: list[Placement] = [Replicate() for _ in axis_names]
     seen: set[str] = set()
     for dim, entry in enumerate(spec):
-        names = [entry] if isinstance(entry, str) else list(entry or ())
+        names = entry_axes(entry)
         for name in names:
             if name not in axis_names and name not in known:
                 valid = tuple(known) or tuple(axis_names)
@@ -126,7 +123,7 @@ def describe(placements: Sequence[Placement], axis_names: Sequence[str]) -> str:
 def check_divisible(shape: Sequence[int], spec: P | None, axis_sizes: dict[str, int], *, where: str) -> None:
     """ValueError naming ``where`` when a dim is not divisible by the mesh axes it is split over."""
     for dim, entry in enumerate(spec or ()):
-        names = [entry] if isinstance(entry, str) else list(entry or ())
+        names = entry_axes(entry)
         n = 1
         for name in names:
             n *= axis_sizes[name]
@@ -162,7 +159,7 @@ def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str
     from shardfn.core.pytree import map_axes
 
     for logical, target in rules.items():
-        for name in _names(target):
+        for name in entry_axes(target):
             if name not in axis_sizes:
                 raise ValueError(
                     f"rules.{logical}: unknown mesh axis {name!r}; the mesh has axes {tuple(axis_sizes)}"
@@ -172,7 +169,7 @@ def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str
         used: set[str] = set()
         entries = []
         for logical in axes:
-            names = [n for n in _names(rules.get(logical)) if axis_sizes[n] > 1 and n not in used]
+            names = [n for n in entry_axes(rules.get(logical)) if axis_sizes[n] > 1 and n not in used]
             used.update(names)
             entries.append(None if not names else (names[0] if len(names) == 1 else tuple(names)))
         while entries and entries[-1] is None:
@@ -182,20 +179,25 @@ def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str
     return map_axes(one, axes_tree)
 
 
-def _names(target: Any) -> list[str]:
-    if target is None:
+def entry_axes(entry: Any) -> list[str]:
+    """The mesh axes one entry of a ``P`` (or one logical-axis rule) names, major to minor.
+
+    Example:
+        entry_axes(None), entry_axes("tp"), entry_axes(("dp", "fsdp"))   # [], ['tp'], ['dp', 'fsdp']
+    """
+    if entry is None:
         return []
-    if isinstance(target, str):
-        return [target]
-    if isinstance(target, Iterable):
-        return [str(t) for t in target]
-    raise TypeError(f"a rule maps to a mesh axis name, a list of names, or null; got {target!r}")
+    if isinstance(entry, str):
+        return [entry]
+    if isinstance(entry, Iterable):
+        return [str(t) for t in entry]
+    raise TypeError(f"a rule maps to a mesh axis name, a list of names, or null; got {entry!r}")
 
 
 def shard_shape(shape: Sequence[int], spec: P | None, axis_sizes: dict[str, int]) -> torch.Size:
     """Local (per-rank) shape of an evenly divisible tensor under ``spec``."""
     out = list(shape)
     for dim, entry in enumerate(spec or ()):
-        for name in _names(entry):
+        for name in entry_axes(entry):
             out[dim] //= axis_sizes[name]
     return torch.Size(out)

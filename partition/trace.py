@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.constrain import tracing_scope
+from shardfn.partition.local_map import collecting_regions
 
 
 @dataclass
@@ -30,6 +31,7 @@ class Traced:
     in_paths: list[str]            # dotted path of every input leaf, e.g. "0.layers.wq"
     in_meta: list[torch.Tensor]    # fake tensors with each input's global shape and dtype
     out_meta: list[torch.Tensor]   # same, for each output leaf
+    regions: tuple = ()            # the sf.local_map regions the graph calls (kept alive with it)
 
 
 def flatten_args(args: tuple) -> tuple[list, Any, list[str]]:
@@ -59,11 +61,12 @@ def trace(fn: Callable, args: tuple) -> Traced:
                 raise TypeError(f"sf.jit functions return pytrees of tensors; got a {type(leaf).__name__} leaf")
         return out_leaves
 
-    gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
+    with collecting_regions() as regions:
+        gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     in_meta = [n.meta["val"] for n in placeholders]
     out_meta = [o.meta["val"] for o in outputs]
     for node, path in zip(placeholders, paths):
         node.meta["sf_path"] = path
-    return Traced(gm, in_treedef, out_treedef, paths, in_meta, out_meta)
+    return Traced(gm, in_treedef, out_treedef, paths, in_meta, out_meta, tuple(regions))

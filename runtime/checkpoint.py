@@ -30,6 +30,7 @@ shared file system).
 
     save_checkpoint("runs/ckpt", 100, params, opt_state, keep=2)
     loaded = load_checkpoint(latest_checkpoint("runs/ckpt"), params, opt_state)
+    loaded = restore(path, step, params, opt_state)   # a training Step's layout (runtime.step)
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from shardfn.core.pytree import PyTree
 from shardfn.runtime.checkpoint_blocks import Blocks, BlocksLoadPlanner, BlocksSavePlanner
@@ -149,41 +150,6 @@ def state_dict(step: int, params: PyTree, opt_state: Any, *, rank: int = 0,
     if rng_state is not None:
         out[f"rng.cpu.rank{rank}"] = rng_state
     return out
-
-
-def distribute(tree: PyTree, specs: Any, mesh) -> PyTree:
-    """``tree``'s leaves as DTensors laid out by ``specs`` (a pytree prefix of ``P``) on ``mesh``.
-
-    Every rank holds the full tree; each keeps its own shard, with no communication. This is
-    the target a sharded load fills in place.
-
-    Example:
-        like = distribute(params, step.specs["params"], step.jitted.mesh)
-    """
-    from shardfn.partition.spec import broadcast_specs
-
-    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
-    specs = broadcast_specs(specs, tree, what="checkpoint specs")
-    dmesh = mesh.device_mesh
-    out = [distribute_tensor(x.detach(), dmesh, mesh.placements(s, x.ndim), src_data_rank=None)
-           for x, s in zip(leaves, specs)]
-    return optree.tree_unflatten(treedef, out)
-
-
-def target_like(step_fn, params: PyTree, opt_state: Any) -> tuple[PyTree, Any]:
-    """``(params, opt_state)`` in the layout ``step_fn`` keeps them: DTensors by the step's specs
-    for a partitioned step (:func:`~shardfn.runtime.partitioned.partitioned_step`), this rank's
-    :class:`~shardfn.runtime.checkpoint_blocks.Blocks` for a pipeline step, else as given.
-
-    Example:
-        params_like, opt_like = target_like(step_fn, params, opt_state)
-    """
-    if hasattr(step_fn, "checkpoint_like"):  # a pipeline rank: its stages' slices, as blocks
-        return step_fn.checkpoint_like(params, opt_state)
-    specs, jitted = getattr(step_fn, "specs", None), getattr(step_fn, "jitted", None)
-    if specs is None or jitted is None:
-        return params, opt_state
-    return distribute(params, specs["params"], jitted.mesh), distribute(opt_state, specs["opt_state"], jitted.mesh)
 
 
 # ----------------------------------------------------------------------------- save
@@ -375,19 +341,18 @@ def _config_hint(saved: dict | None, current: dict | None) -> str:
 # ----------------------------------------------------------------------------- the training loop's use
 
 
-def resume_path(cfg) -> Path | None:
-    """The checkpoint a run of ``cfg`` starts from, by ``train.checkpoint.resume``, or None (step 0).
+def resume_path(ckpt) -> Path | None:
+    """The checkpoint a run starts from, by its checkpoint section's ``resume``, or None (step 0).
 
-    ``auto`` (the default): the newest complete checkpoint in ``train.checkpoint.dir`` when
-    checkpointing is on (``every > 0``), so a rerun of a killed job continues it. ``true``
-    (``shardfn train --resume``): that checkpoint, and an error if there is none. ``false``:
-    step 0, and an error if the directory already holds checkpoints (the new ones would mix
-    with them).
+    ``ckpt`` is the run config's ``train.checkpoint`` section (``every``, ``dir``, ``resume``).
+    ``auto`` (the default): the newest complete checkpoint in ``dir`` when checkpointing is on
+    (``every > 0``), so a rerun of a killed job continues it. ``true`` (``shardfn train
+    --resume``): that checkpoint, and an error if there is none. ``false``: step 0, and an error
+    if the directory already holds checkpoints (the new ones would mix with them).
 
     Example:
-        resume_path(load_config(None, ["train.checkpoint.every=50"]))  # None on a first run
+        resume_path(load_config(None, ["train.checkpoint.every=50"]).train.checkpoint)  # None on a first run
     """
-    ckpt = cfg.train.checkpoint
     if ckpt.resume is True:
         found = latest_checkpoint(ckpt.dir)
         if found is None:
@@ -405,26 +370,25 @@ def resume_path(cfg) -> Path | None:
     return found
 
 
-def restore(path: str | os.PathLike, cfg, step_fn, params: PyTree, opt_state: Any) -> Loaded:
-    """Load ``path`` for a run of ``cfg`` in ``step_fn``'s layout, and set this rank's CPU RNG state.
+def restore(path: str | os.PathLike, step, params: PyTree, opt_state: Any, *, config: dict | None = None) -> Loaded:
+    """Load ``path`` into ``step``'s layout and set this rank's CPU RNG state.
 
-    ``params`` and ``opt_state`` are the run's initial trees (every rank holds them whole); on a
-    mesh they become DTensors of the step's specs (:func:`target_like`) before the load, so each
-    rank reads only its shards, whatever layout saved them. A pipeline step (``mesh.pp > 1``)
-    reads its stages' slices and gets back its local trees (``step_fn.from_checkpoint``).
+    ``params`` and ``opt_state`` are the run's initial state as ``step.place`` laid it out; the
+    load fills ``step.to_checkpoint`` of them in place, so each rank reads only what it holds
+    (its DTensor shards, or a pipeline rank's stages as blocks), whatever layout saved the
+    checkpoint, and ``step.from_checkpoint`` turns that back into the step's state. ``config``
+    (``RunConfig.to_dict()``) names the model keys that differ when the checkpoint does not fit.
 
     Example:
-        loaded = restore(resume_path(cfg), cfg, step_fn, params, opt_state)
+        loaded = restore(resume_path(cfg.train.checkpoint), step, *step.place(params), config=cfg.to_dict())
     """
-    params_like, opt_like = target_like(step_fn, params, opt_state)
-    loaded = load_checkpoint(path, params_like, opt_like, config=cfg.to_dict())
+    params_like, opt_like = step.to_checkpoint(params, opt_state)
+    loaded = load_checkpoint(path, params_like, opt_like, config=config)
     if loaded.data_position != loaded.step:
         raise ValueError(f"checkpoint {path}: data position {loaded.data_position} differs from its step "
                          f"{loaded.step}; batches are a pure function of (train.seed, step), so it was not "
                          f"written by this loop: start a fresh train.checkpoint.dir")
     if loaded.rng_state is not None:
         torch.set_rng_state(loaded.rng_state)
-    if hasattr(step_fn, "from_checkpoint"):  # a pipeline rank: its local trees from the loaded blocks
-        params, opt_state = step_fn.from_checkpoint(loaded.params, loaded.opt_state)
-        loaded = loaded._replace(params=params, opt_state=opt_state)
-    return loaded
+    params, opt_state = step.from_checkpoint(loaded.params, loaded.opt_state)
+    return loaded._replace(params=params, opt_state=opt_state)

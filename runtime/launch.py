@@ -115,7 +115,8 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
     import datetime
 
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
+
+    from shardfn.partition._torch_private import set_default_group_timeout
 
     global _progress
     os.setpgrp()
@@ -127,7 +128,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     timeout = datetime.timedelta(seconds=timeout_s)
-    c10d.default_pg_timeout = timeout  # the subgroups a DeviceMesh creates get it too (default 30 min)
+    set_default_group_timeout(timeout)  # the subgroups a DeviceMesh creates get it too (default 30 min)
     try:
         dist.init_process_group("gloo", timeout=timeout)
         out = fn(*args)

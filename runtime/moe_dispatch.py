@@ -16,9 +16,14 @@ token all-to-alls each way. What the backward needs is kept in this process betw
 ops, keyed by a handle tensor that the forward returns, so nothing is exchanged twice. The
 shared experts are computed while the first exchange is in flight (``async_op=True``).
 
-Bytes moved are recorded per call (what leaves the rank; tokens that stay on-rank move nothing):
+Each exchange belongs to an :class:`Exchange`, which records the bytes every call moved (what
+leaves the rank; tokens that stay on-rank move nothing) and keeps what the backward needs. The
+program that runs it owns it: a lowered step starts its records afresh at each call and lists
+them in its ``comm_report`` (``sf.local_map(..., records=exchange)``).
 
-    stats = exchange_stats()    # [{"layer", "phase", "bytes", "tokens", "dropped"}, ...]
+    routed = ExpertRegion(mesh, ("dp", "ep"), "ep", n_experts)
+    y = routed(x, idx, weights, w1, w2, w3)                  # inside a traced function
+    routed.exchange.stats    # [{"layer", "phase", "bytes", "tokens", "dropped", "group"}, ...]
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardfn.core.grouped_mm import grouped_mm
+from shardfn.core.registry import Registry
 
 
 @dataclass
@@ -51,34 +57,54 @@ class _Saved:
     x: torch.Tensor | None = None   # [T, D] kept for the shared experts' backward
 
 
-_saved: dict[int, _Saved] = {}
-_handles = itertools.count(1)
-_stats: list[dict] = []
-_layer_counter = itertools.count()
+class Exchange:
+    """The records of one family of expert-parallel exchanges (the MoE layers of one program),
+    and what each forward keeps for its backward, by handle.
+
+    ``stats`` has one row per token exchange since :meth:`reset`; layers are numbered in call
+    order from 0 again after each reset (one training step).
+
+        ex = Exchange(); ex.reset(); ...; ex.rows(mesh)   # comm-report rows, one per MoE layer
+    """
+
+    def __init__(self):
+        self.stats: list[dict] = []
+        self.saved: dict[int, _Saved] = {}
+        self._handles = itertools.count(1)
+        self._layers = itertools.count()
+
+    def reset(self) -> None:
+        """Start a new step: forget recorded exchanges and number layers from 0 again."""
+        self.stats.clear()
+        self._layers = itertools.count()
+
+    def next_layer(self) -> int:
+        return next(self._layers)
+
+    def keep(self, saved: "_Saved") -> int:
+        handle = next(self._handles)
+        self.saved[handle] = saved
+        return handle
+
+    def rows(self, mesh) -> list[dict]:
+        """The recorded exchanges as comm-report rows, one per MoE layer call:
+        ``{op: "all_to_all", axis, layer, bytes, count}`` (four token exchanges a layer a step)."""
+        rows: dict[tuple, dict] = {}
+        for s in self.stats:
+            key = (mesh.axis_of_group(s["group"]), s["layer"])
+            row = rows.setdefault(key, {"op": "all_to_all", "axis": key[0], "layer": key[1], "bytes": 0, "count": 0})
+            row["bytes"] += s["bytes"]
+            row["count"] += 1
+        return list(rows.values())
+
+    def _record(self, layer, phase, x, in_splits, me, group, **extra) -> None:
+        row_bytes = x[0].numel() * x.element_size() if x.shape[0] else x.shape[-1] * x.element_size()
+        off_rank = sum(n for r, n in enumerate(in_splits) if r != me)
+        self.stats.append({"layer": layer, "phase": phase, "bytes": off_rank * row_bytes, "tokens": sum(in_splits),
+                           "group": group.group_name, **extra})
 
 
-def reset_stats() -> None:
-    """Start a new step: forget recorded exchanges and number layers from 0 again."""
-    global _layer_counter
-    _stats.clear()
-    _layer_counter = itertools.count()
-
-
-def exchange_stats() -> list[dict]:
-    """Per exchange since the last ``reset_stats``: layer, phase, bytes sent off-rank, tokens."""
-    return list(_stats)
-
-
-def exchange_report(mesh) -> list[dict]:
-    """The recorded exchanges as comm-report rows, one per MoE layer call:
-    ``{op: "all_to_all", axis, layer, bytes, count}`` (four token exchanges a layer a step)."""
-    rows: dict[tuple, dict] = {}
-    for s in _stats:
-        key = (mesh.axis_of_group(s["group"]), s["layer"])
-        row = rows.setdefault(key, {"op": "all_to_all", "axis": key[0], "layer": key[1], "bytes": 0, "count": 0})
-        row["bytes"] += s["bytes"]
-        row["count"] += 1
-    return list(rows.values())
+_exchanges = Registry("expert exchange")
 
 
 def _swiglu(x, w1, w2, w3):
@@ -96,16 +122,10 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *,
     return (out, work) if async_op else out
 
 
-def _record(layer, phase, x, in_splits, me, group):
-    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else x.shape[-1] * x.element_size()
-    off_rank = sum(n for r, n in enumerate(in_splits) if r != me)
-    _stats.append({"layer": layer, "phase": phase, "bytes": off_rank * row_bytes, "tokens": sum(in_splits),
-                   "group": group.group_name})
-
-
 def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_factor: float = 0.0,
-               shared=None):
-    """Eager EP forward on this rank's tokens. Returns ``(y [T, D], handle, dropped)``."""
+               shared=None, *, exchange: Exchange):
+    """Eager EP forward on this rank's tokens, recorded in ``exchange``. Returns
+    ``(y [T, D], handle, dropped)``."""
     T, D = x.shape
     k = idx.shape[1]
     n = dist.get_world_size(group)
@@ -131,9 +151,8 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     dist.all_to_all_single(recv_counts, counts, group=group)     # [n*E_local]: from s for my e
     recv_counts = recv_counts.view(n, e_local)
     out_splits = recv_counts.sum(1).tolist()
-    layer = next(_layer_counter)
-    _record(layer, "dispatch", send, in_splits, me, group)
-    _stats[-1].update(assignments=T * k, dropped=dropped)
+    layer = exchange.next_layer()
+    exchange._record(layer, "dispatch", send, in_splits, me, group, assignments=T * k, dropped=dropped)
     recv, work = _a2a(send, out_splits, in_splits, group, async_op=True)
     y_shared = _swiglu(x, *shared) if shared is not None else None  # overlaps the exchange
     work.wait()
@@ -144,36 +163,35 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     out = _expert_ffn(xs, offs, w1, w2, w3)
     back_src = torch.empty_like(out)
     back_src[perm] = out
-    _record(layer, "combine", back_src, out_splits, me, group)
+    exchange._record(layer, "combine", back_src, out_splits, me, group)
     back = _a2a(back_src, in_splits, out_splits, group)          # [A, D] in `order` order
     y_assign = x.new_zeros((T * k, D))
     y_assign[order] = back
     y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
     if y_shared is not None:
         y = y + y_shared
-    handle = next(_handles)
-    _saved[handle] = _Saved((T, D), tok, order, in_splits, out_splits, perm, offs, xs, y_assign, weights, group, layer,
-                            x if shared is not None else None)
+    handle = exchange.keep(_Saved((T, D), tok, order, in_splits, out_splits, perm, offs, xs, y_assign, weights, group,
+                                  layer, x if shared is not None else None))
     return y, handle, dropped
 
 
-def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None):
+def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Exchange):
     """Cotangents ``(dx, dweights, dw1, dw2, dw3[, ds1, ds2, ds3])`` of ``ep_forward``."""
-    s = _saved.pop(handle)
+    s = exchange.saved.pop(handle)
     T, D = s.x_shape
     k = s.weights.shape[1]
     me = dist.get_rank(s.group)
     d_assign = (grad_y.unsqueeze(1) * s.weights.unsqueeze(-1)).reshape(T * k, D)
     dweights = (s.y_assign.view(T, k, D) * grad_y.unsqueeze(1)).sum(-1)
     d_send = d_assign[s.keep_pos]
-    _record(s.layer, "dispatch_grad", d_send, s.in_splits, me, s.group)
+    exchange._record(s.layer, "dispatch_grad", d_send, s.in_splits, me, s.group)
     d_recv = _a2a(d_send, s.out_splits, s.in_splits, s.group)
     d_out = d_recv[s.perm]
     _, pullback = torch.func.vjp(lambda xs, a, b, c: _expert_ffn(xs, s.offs, a, b, c), s.xs, w1, w2, w3)
     dxs, dw1, dw2, dw3 = pullback(d_out)
     d_back = torch.empty_like(dxs)
     d_back[s.perm] = dxs
-    _record(s.layer, "combine_grad", d_back, s.out_splits, me, s.group)
+    exchange._record(s.layer, "combine_grad", d_back, s.out_splits, me, s.group)
     d_src = _a2a(d_back, s.in_splits, s.out_splits, s.group)
     dx = torch.zeros((T, D), dtype=grad_y.dtype)
     dx.index_add_(0, s.tok, d_src)
@@ -192,16 +210,17 @@ def _ep_experts(
     x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
     s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor],
-    group_name: str, n_experts: int, capacity_factor: float,
+    group_name: str, n_experts: int, capacity_factor: float, exchange: int,
 ) -> List[torch.Tensor]:
     group = _group(group_name)
     shared = (s1, s2, s3) if s1 is not None else None
-    y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor, shared)
+    y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor, shared,
+                                    exchange=_exchanges[exchange])
     return [y, torch.tensor([handle, dropped], dtype=torch.int64)]
 
 
 @_ep_experts.register_fake
-def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor):
+def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange):
     return [torch.empty_like(x), torch.empty(2, dtype=torch.int64)]
 
 
@@ -209,14 +228,14 @@ def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_f
 def _ep_experts_backward(
     handle: torch.Tensor, grad_y: torch.Tensor, weights: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor],
+    s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor], exchange: int,
 ) -> List[torch.Tensor]:
     shared = (s1, s2, s3) if s1 is not None else None
-    return list(ep_backward(int(handle[0]), grad_y, w1, w2, w3, shared))
+    return list(ep_backward(int(handle[0]), grad_y, w1, w2, w3, shared, exchange=_exchanges[exchange]))
 
 
 @_ep_experts_backward.register_fake
-def _(handle, grad_y, weights, w1, w2, w3, s1, s2, s3):
+def _(handle, grad_y, weights, w1, w2, w3, s1, s2, s3, exchange):
     like = [grad_y, weights, w1, w2, w3] + ([s1, s2, s3] if s1 is not None else [])
     return [torch.empty_like(t) for t in like]
 
@@ -227,14 +246,15 @@ class _ExpertExchange(torch.autograd.Function):
     ``torch.func.vjp``, and their joint graphs keep both ops as opaque calls."""
 
     @staticmethod
-    def forward(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor):
+    def forward(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange):
         y, info = torch.ops.shardfn.ep_experts(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts,
-                                               capacity_factor)
+                                               capacity_factor, exchange)
         return y, info
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         _, _, weights, w1, w2, w3, s1, s2, s3 = inputs[:9]
+        ctx.exchange = inputs[-1]
         ctx.shared = s1 is not None
         ctx.save_for_backward(output[1], weights, w1, w2, w3, *((s1, s2, s3) if ctx.shared else ()))
         ctx.mark_non_differentiable(output[1])
@@ -244,19 +264,25 @@ class _ExpertExchange(torch.autograd.Function):
         info, weights, w1, w2, w3, *s = ctx.saved_tensors
         s1, s2, s3 = s if ctx.shared else (None, None, None)
         dx, dweights, dw1, dw2, dw3, *ds = torch.ops.shardfn.ep_experts_backward(
-            info, grad_y.contiguous(), weights, w1, w2, w3, s1, s2, s3)
-        return (dx, None, dweights, dw1, dw2, dw3, *(ds or (None, None, None)), None, None, None)
+            info, grad_y.contiguous(), weights, w1, w2, w3, s1, s2, s3, ctx.exchange)
+        return (dx, None, dweights, dw1, dw2, dw3, *(ds or (None, None, None)), None, None, None, None)
 
 
 def ep_experts(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name: str, n_experts: int,
-               capacity_factor: float = 0.0) -> list[torch.Tensor]:
+               capacity_factor: float = 0.0, exchange: int = 0) -> list[torch.Tensor]:
     """``torch.ops.shardfn.ep_experts`` made differentiable (``torch.autograd`` and ``torch.func``):
     ``[y [T, D], info [2]]``; the backward runs ``shardfn::ep_experts_backward`` (two all-to-alls).
+    ``exchange`` is the id of the :class:`Exchange` that records them (:func:`register_exchange`).
 
-        y, _ = ep_experts(x, idx, w, w1, w2, w3, None, None, None, ep_group.group_name, 8)
+        y, _ = ep_experts(x, idx, w, w1, w2, w3, None, None, None, ep_group.group_name, 8, 0.0, exchange_id)
     """
     return list(_ExpertExchange.apply(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts,
-                                      capacity_factor))
+                                      capacity_factor, exchange))
+
+
+def register_exchange(exchange: Exchange) -> int:
+    """The id the exchange ops take for ``exchange`` (held weakly: its owner keeps it alive)."""
+    return _exchanges.add(exchange)
 
 
 def _group(name: str):
@@ -268,46 +294,50 @@ def _group(name: str):
 # --- the per-rank region the partitioned MoE layer calls -----------------------------------
 
 
-def expert_parallel_region(mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
-                           capacity_factor: float = 0.0, shared: bool = False):
+class ExpertRegion:
     """``routed(x, idx, weights, w1, w2, w3[, s1, s2, s3]) -> y`` as an ``sf.local_map`` region.
 
     Tokens (``x [T, D]``, ``idx``/``weights [T, k]``) are split over ``data_axes`` (which include
     ``ep_axis``); routed-expert weights ``[E, ...]`` over ``ep_axis``. With ``shared``, the shared
     experts' SwiGLU weights ``s1 [D, Hs], s2 [Hs, D], s3 [D, Hs]`` come last and their output is
     added, computed while the dispatch exchange is in flight. The exchange runs in the runtime
-    (``ep_forward``/``ep_backward``), once forward and once backward.
+    (``ep_forward``/``ep_backward``), once forward and once backward; :attr:`exchange` records it.
+
+        routed = ExpertRegion(mesh, ("ep",), "ep", 8)
+        y = routed(x, idx, weights, w1, w2, w3)
     """
-    from shardfn.partition.local_map import local_map
-    from shardfn.partition.spec import P
 
-    if n_experts % mesh.axes[ep_axis]:
-        raise ValueError(
-            f"mesh.{ep_axis}={mesh.axes[ep_axis]} does not divide model.n_experts={n_experts}; "
-            f"pick an {ep_axis} size that divides the expert count"
-        )
-    group_name = mesh.device_mesh.get_group(ep_axis).group_name
-    tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
+    def __init__(self, mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
+                 capacity_factor: float = 0.0, shared: bool = False):
+        from shardfn.partition.layouts import check_divides
+        from shardfn.partition.local_map import local_map
+        from shardfn.partition.spec import P
 
-    def forward(x, idx, weights, w1, w2, w3, *s):
-        s1, s2, s3 = s if s else (None, None, None)
-        return tuple(torch.ops.shardfn.ep_experts(
-            x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor))
+        check_divides([ep_axis], mesh.axes, "n_experts", n_experts)
+        group_name = mesh.device_mesh.get_group(ep_axis).group_name
+        tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
+        self.exchange = Exchange()
+        exchange = register_exchange(self.exchange)
 
-    def backward(inputs, outputs, cotangents):
-        x, idx, weights, w1, w2, w3, *s = inputs
-        s1, s2, s3 = s if s else (None, None, None)
-        grads = torch.ops.shardfn.ep_experts_backward(outputs[1], cotangents[0], weights, w1, w2, w3, s1, s2, s3)
-        dx, dweights, *dw = grads
-        return (dx, None, dweights, *dw)
+        def forward(x, idx, weights, w1, w2, w3, *s):
+            s1, s2, s3 = s if s else (None, None, None)
+            return tuple(torch.ops.shardfn.ep_experts(
+                x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange))
 
-    in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if shared else ())
-    region = local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward)
+        def backward(inputs, outputs, cotangents):
+            x, idx, weights, w1, w2, w3, *s = inputs
+            s1, s2, s3 = s if s else (None, None, None)
+            grads = torch.ops.shardfn.ep_experts_backward(outputs[1], cotangents[0], weights, w1, w2, w3, s1, s2, s3,
+                                                          exchange)
+            dx, dweights, *dw = grads
+            return (dx, None, dweights, *dw)
 
-    def routed(*args):
-        return region(*args)[0]
+        in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if shared else ())
+        self._region = local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward,
+                                 records=self.exchange)
 
-    return routed
+    def __call__(self, *args):
+        return self._region(*args)[0]
 
 
 def data_parallel_region(data_axes: tuple[str, ...], routed_fn):

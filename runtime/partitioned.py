@@ -5,34 +5,29 @@ for every parameter, the optimizer state follows the parameters, the global batc
 the data axes, and gradients are constrained to the parameters' specs (so under ``fsdp`` they
 are reduce-scattered, under ``dp`` all-reduced). Model code is untouched.
 
-    mesh = mesh_from_config(cfg)
-    step = partitioned_step(cfg, model, optimizer, params, opt_state, mesh)
-    params, opt_state, metrics = step(params, opt_state, batch)    # params stay DTensors
+    step = mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))
+    params, opt_state = step.place(params)                         # DTensors of step.specs
+    params, opt_state, metrics = step(params, opt_state, batch)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
+import optree
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
 from shardfn.core import optim
-from shardfn.partition.layouts import batch_spec, param_specs, resolve_rules, state_specs
+from shardfn.core.pytree import tree_map
+from shardfn.partition.layouts import batch_spec, mesh_axes, param_specs, resolve_rules, state_specs
 from shardfn.partition.spec import P
-
-MESH_ORDER = ("pp", "dp", "fsdp", "ep", "tp")
-"""Mesh axes, major to minor: tp innermost (fastest links), pp outermost."""
-
-
-def mesh_axes(cfg, *, include_pp: bool = False) -> dict[str, int]:
-    """The config's mesh as ordered axes (``pp`` left out unless asked: stages own it)."""
-    return {a: getattr(cfg.mesh, a) for a in MESH_ORDER if include_pp or a != "pp"}
+from shardfn.runtime.step import Step, identity_state
 
 
 def mesh_from_config(cfg, *, fake: bool = False) -> sf.Mesh:
-    return sf.Mesh(mesh_axes(cfg), fake=fake)
+    """The ``sf.Mesh`` of the config's non-pipeline axes (``pp`` is the pipeline's own)."""
+    return sf.Mesh(mesh_axes(cfg.mesh.axes(), include_pp=False), fake=fake)
 
 
 def constrained(inner: optim.GradientTransformation, specs: Any) -> optim.GradientTransformation:
@@ -52,25 +47,35 @@ def constrained(inner: optim.GradientTransformation, specs: Any) -> optim.Gradie
 
 def layout(cfg, model, params, opt_state, mesh) -> dict[str, Any]:
     """The specs of a run: ``params``, ``opt_state``, ``batch``, and the resolved ``rules``."""
-    rules = resolve_rules(cfg.rules, mesh)
-    pspecs = param_specs(model.param_axes(cfg.model), rules, mesh)
+    rules = resolve_rules(cfg.rules, mesh.axes)
+    pspecs = param_specs(model.param_axes(cfg.model), rules, mesh.axes)
     return {
         "rules": rules,
         "params": pspecs,
         "opt_state": state_specs(opt_state, params, pspecs),
-        "batch": batch_spec(rules, mesh),
+        "batch": batch_spec(rules, mesh.axes),
     }
 
 
-def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend: str | None = "default"):
-    """``train_step`` of ``cfg`` as an ``sf.jit`` program over ``mesh`` (same contract as the
-    one-device step; metrics come back as plain replicated tensors)."""
-    from shardfn.runtime.train import make_train_step
+def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "default") -> Step:
+    """The :class:`~shardfn.runtime.step.Step` of ``cfg`` on ``mesh``: ``train_step`` as an
+    ``sf.jit`` program (the global batch in; params and optimizer state stay DTensors of
+    ``specs``; metrics come back as plain replicated tensors).
 
-    specs = layout(cfg, model, params, opt_state, mesh)
+    ``params`` gives the optimizer state's structure (real or fake tensors). ``backend``:
+    ``"default"`` compiles with inductor when ``train.compile``; None runs the per-rank program
+    as it is.
+
+    Example:
+        step = mesh_step(cfg, llama, make_optimizer(cfg.train, llama), params, mesh_from_config(cfg))
+        params, opt_state = step.place(params)
+    """
+    from shardfn.runtime.train_step import make_train_step
+
+    specs = layout(cfg, model, params, optimizer.init(params), mesh)
     skip = cfg.train.nonfinite == "skip"  # the torch.where over params and state is traced and partitioned too
-    step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"]), skip_nonfinite=skip)
-    step = with_expert_regions(step, cfg, mesh, specs)
+    train_step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"]), skip_nonfinite=skip,
+                                 experts=expert_region(model, cfg.model, mesh, specs))
     if backend == "default":
         backend = "inductor" if cfg.train.compile else None
     fsdp = (0,) if mesh.axes.get("fsdp", 1) > 1 else ()
@@ -78,7 +83,7 @@ def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend:
     if cfg.partition.auto:  # the solver chooses params and optimizer state; the batch stays split
         in_specs = (sf.AUTO, sf.AUTO, specs["batch"])
     jitted = sf.jit(
-        step, mesh,
+        train_step, mesh,
         in_specs=in_specs, memory_budget=cfg.partition.memory_budget,
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
@@ -88,38 +93,57 @@ def partitioned_step(cfg, model, optimizer, params, opt_state, mesh, *, backend:
         params, opt_state, metrics = jitted(params, opt_state, batch)
         return params, opt_state, {k: v.to_local() if isinstance(v, DTensor) else v for k, v in metrics.items()}
 
-    run.jitted = jitted
-    run.specs = specs
-    return run
+    def place(params_full):
+        return (distribute(params_full, specs["params"], mesh),
+                distribute(optimizer.init(params_full), specs["opt_state"], mesh))
+
+    return Step("mesh", run, optimizer, place, identity_state, identity_state, full, specs=specs, mesh=mesh,
+                jitted=jitted)
 
 
-def with_expert_regions(step, cfg, mesh, specs):
-    """``step`` with its MoE layers' routed experts in per-rank regions: an all-to-all exchange
-    over ``ep`` when ``mesh.ep > 1``, else each rank's own tokens through whole experts. Dense
-    models are returned unchanged."""
-    n_experts = getattr(cfg.model, "n_experts", 0)
+def distribute(tree: Any, specs: Any, mesh) -> Any:
+    """``tree``'s leaves as DTensors laid out by ``specs`` (a pytree prefix of ``P``) on ``mesh``.
+
+    Every rank holds the full tree; each keeps its own shard, with no communication.
+
+    Example:
+        params = distribute(params, specs["params"], mesh)
+    """
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardfn.partition.spec import broadcast_specs
+
+    leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
+    specs = broadcast_specs(specs, tree, what="specs")
+    dmesh = mesh.device_mesh
+    out = [distribute_tensor(x.detach(), dmesh, mesh.placements(s, x.ndim), src_data_rank=None)
+           for x, s in zip(leaves, specs)]
+    return optree.tree_unflatten(treedef, out)
+
+
+def expert_region(model, model_cfg, mesh, specs):
+    """How an MoE model's routed experts run on ``mesh`` (``model.loss_and_aux``'s ``experts``):
+    a per-rank region with an all-to-all exchange over ``ep`` when ``mesh.ep > 1``, else each
+    rank's own tokens through whole experts. None for a model without experts
+    (``model.layout_units`` has no ``expert``) or a batch that is not split.
+
+    Example:
+        loss = model.loss(params, batch, cfg.model, experts=expert_region(model, cfg.model, mesh, specs))
+    """
+    units = model.layout_units(model_cfg)
     batch = specs["batch"]
     data_axes = tuple(batch.axes()) if len(batch) else ()
-    if not n_experts or not data_axes:
-        return step
+    if "expert" not in units or not data_axes:
+        return None
     from shardfn.core import moe
     from shardfn.runtime import moe_dispatch
 
+    n_experts = units["expert"][1]
     if mesh.axes.get("ep", 1) > 1:
-        routed = moe_dispatch.expert_parallel_region(
-            mesh, data_axes, "ep", n_experts, getattr(cfg.model, "capacity_factor", 0.0) or 0.0)
-    else:
-        routed = moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
-
-    def step_with_regions(*args):
-        with moe.routed_experts_impl(routed):
-            return step(*args)
-
-    return step_with_regions
+        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, model_cfg.capacity_factor)
+    return moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
 
 
 def full(tree: Any) -> Any:
-    """Every DTensor leaf of ``tree`` gathered to a plain tensor (for checks and checkpoints)."""
-    from shardfn.core.pytree import tree_map
-
+    """Every DTensor leaf of ``tree`` gathered to a plain tensor (for checks and exports)."""
     return tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree)

@@ -8,11 +8,12 @@ dispatch, the local experts, the combine) and its backward op in I (the expert w
 come out of the same op; W only stacks them). Tokens stay split over ``dp x ep``.
 
 Every MoE layer of a pipelined loss also counts its tokens per expert at run time (an identity
-op on the routing weights), so the step can move ``moe_layers.router_bias`` exactly as the
-one-device step does from ``aux["expert_counts"]``, which a pipelined loss cannot return.
+op on the routing weights), so the step can run the model's ``aux_update`` (router-bias
+balancing) on each stage exactly as the one-device step does from ``aux["expert_counts"]``,
+which a pipelined loss cannot return.
 
-    layout = expert_layout(moe, cfg.model, params)        # which leaves are split, the bias
-    loss_fn = stage_loss(moe, cfg.model, ep_group)         # what build_pipeline traces
+    layout = expert_layout(moe, cfg.model)                # which leaves are split over ep
+    loss_fn = stage_loss(moe, cfg.model, recorder, ep_group)   # what build_pipeline traces
     held = shard_experts(params, layout.dims, ep_rank, ep)
 """
 
@@ -26,57 +27,48 @@ import torch
 import torch.distributed as dist
 
 from shardfn.core.pytree import PyTree, map_with_path
-
-BIAS_SUFFIX = "router_bias"
-"""The routers' selection bias: moved by balancing, never by the optimizer."""
-
+from shardfn.core.registry import Registry
 
 @dataclass(frozen=True)
 class ExpertLayout:
-    """Where a model's routed experts live and how its routers are balanced.
+    """Where a model's routed experts live.
 
     Attributes:
         dims: ``path -> dim`` of each leaf's ``expert`` dim (split over ``ep``).
-        n_experts: routed experts per MoE layer.
-        n_layers: MoE layers (the rows of the router bias).
-        bias_path: the ``[n_layers, n_experts]`` router bias leaf, or None.
-        bias_update_rate: the balancing step (``model.bias_update_rate``).
+        n_experts: routed experts per MoE layer (``model.layout_units(cfg)["expert"]``).
+        n_layers: MoE layers (the layers whose tokens per expert a step counts).
     """
 
     dims: dict[str, int]
     n_experts: int
     n_layers: int
-    bias_path: str | None
-    bias_update_rate: float
 
 
-def expert_layout(model, model_cfg, params: PyTree) -> ExpertLayout | None:
+def expert_layout(model, model_cfg) -> ExpertLayout | None:
     """The :class:`ExpertLayout` of an MoE model (None for a dense one), from its logical axes.
 
-        expert_layout(moe, cfg.model, params).dims  # {"moe_layers.experts.w1": 1, ...}
+        expert_layout(moe, cfg.model).dims  # {"moe_layers.experts.w1": 1, ...}
     """
     from shardfn.core.pytree import flatten_with_paths
 
-    n_experts = getattr(model_cfg, "n_experts", 0)
-    if not n_experts or not hasattr(model, "param_axes"):
+    units = model.layout_units(model_cfg)
+    if "expert" not in units:
         return None
     axes = dict(flatten_with_paths(model.param_axes(model_cfg), is_leaf=lambda a: isinstance(a, tuple)))
     dims = {path: a.index("expert") for path, a in axes.items() if "expert" in a}
-    shapes = {path: tuple(t.shape) for path, t in flatten_with_paths(params)}
-    bias = next((p for p in shapes if p.endswith(BIAS_SUFFIX) and len(shapes[p]) == 2), None)
-    n_layers = shapes[bias][0] if bias is not None else 0
-    return ExpertLayout(dims, n_experts, n_layers, bias, getattr(model_cfg, "bias_update_rate", 0.0))
+    stacks = dict(model.stacks(model_cfg))
+    expert_stacks = {path.partition(".")[0] for path in dims} & set(stacks)
+    return ExpertLayout(dims, units["expert"][1], sum(stacks[k] for k in expert_stacks))
 
 
-def check_divides(n_experts: int, ep: int) -> None:
-    """Raise unless ``ep`` divides ``n_experts``, naming both keys.
+def counted_layers(stage) -> list[int]:
+    """The MoE layers (in counting order) whose tokens per expert ``stage``'s forward counts:
+    the rows of the router bias slice it holds.
 
-        check_divides(8, 3)  # ValueError: mesh.ep=3 does not divide model.n_experts=8 ...
+        counted_layers(pipe.stages[1])  # [1]
     """
-    if n_experts % ep:
-        divisors = [d for d in range(1, n_experts + 1) if n_experts % d == 0]
-        raise ValueError(f"mesh.ep={ep} does not divide model.n_experts={n_experts}: every ep rank holds the same "
-                         f"number of experts; set mesh.ep to one of {divisors}")
+    return [n.args[2] for n in stage.forward.graph.nodes
+            if n.op == "call_function" and n.target in (count_experts, torch.ops.shardfn.count_experts.default)]
 
 
 # ----------------------------------------------------------------------------- expert shards
@@ -133,20 +125,45 @@ def expert_dim(path: str, dims: dict[str, int]) -> int | None:
 
 # ----------------------------------------------------------------------------- expert counts
 
-_counts: dict[int, torch.Tensor] = {}
+
+class Recorder:
+    """What the MoE layers of one pipeline rank record while its stages run: tokens per expert of
+    each layer (``counts``: ``layer -> [E]`` int64, summed over microbatches) and, with expert
+    parallelism, the token exchanges (``exchange``). The step owns it and starts it afresh each call.
+
+        rec = Recorder(); rec.reset(); ...; rec.counts   # {0: tensor([...]), 1: ...}
+    """
+
+    def __init__(self):
+        from shardfn.runtime.moe_dispatch import Exchange, register_exchange
+
+        self.counts: dict[int, torch.Tensor] = {}
+        self.exchange = Exchange()
+        self.id = _recorders.add(self)
+        self.exchange_id = register_exchange(self.exchange)
+
+    def reset(self) -> None:
+        self.counts = {}
+        self.exchange.reset()
+
+    def add(self, layer: int, counts: torch.Tensor) -> None:
+        self.counts[layer] = counts if layer not in self.counts else self.counts[layer] + counts
+
+
+_recorders = Registry("expert-count recorder")
 
 
 @torch.library.custom_op("shardfn::count_experts", mutates_args=())
-def _count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_experts: int) -> torch.Tensor:
+def _count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_experts: int,
+                   recorder: int) -> torch.Tensor:
     from shardfn.core.moe import tokens_per_expert
 
-    counts = tokens_per_expert(indices, n_experts)
-    _counts[layer] = counts if layer not in _counts else _counts[layer] + counts
+    _recorders[recorder].add(layer, tokens_per_expert(indices, n_experts))
     return weights.clone()
 
 
 @_count_experts.register_fake
-def _(indices, weights, layer, n_experts):
+def _(indices, weights, layer, n_experts, recorder):
     return torch.empty_like(weights)
 
 
@@ -154,8 +171,8 @@ class _CountExperts(torch.autograd.Function):
     """The counting op as an identity on the routing weights (its cotangent passes through)."""
 
     @staticmethod
-    def forward(indices, weights, layer, n_experts):
-        return torch.ops.shardfn.count_experts(indices, weights, layer, n_experts)
+    def forward(indices, weights, layer, n_experts, recorder):
+        return torch.ops.shardfn.count_experts(indices, weights, layer, n_experts, recorder)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -163,26 +180,18 @@ class _CountExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return None, grad, None, None
+        return None, grad, None, None, None
 
 
-def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_experts: int) -> torch.Tensor:
+def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_experts: int,
+                  recorder: int) -> torch.Tensor:
     """``weights``, after adding this call's tokens per expert (``[E]``) to MoE layer ``layer``'s
-    count (read with :func:`take_counts`). Differentiable as the identity in ``weights``.
+    count in the :class:`Recorder` whose id is ``recorder``. Differentiable as the identity in
+    ``weights``.
 
-        weights = count_experts(r.indices, r.weights, 0, 8)
+        weights = count_experts(r.indices, r.weights, 0, 8, recorder.id)
     """
-    return _CountExperts.apply(indices, weights, layer, n_experts)
-
-
-def take_counts() -> dict[int, torch.Tensor]:
-    """``layer -> [E]`` int64 tokens per expert counted on this rank since the last call (and forget them).
-
-        counts = take_counts()   # {0: tensor([...]), 1: ...}: this rank's MoE layers
-    """
-    out = dict(_counts)
-    _counts.clear()
-    return out
+    return _CountExperts.apply(indices, weights, layer, n_experts, recorder)
 
 
 def _register() -> None:
@@ -199,14 +208,13 @@ _register()
 # ----------------------------------------------------------------------------- the traced loss
 
 
-def routed_fn(n_experts: int, ep_group=None, capacity_factor: float = 0.0) -> Callable:
+def routed_fn(n_experts: int, recorder: Recorder, ep_group=None, capacity_factor: float = 0.0) -> Callable:
     """``routed(x, indices, weights, w1, w2, w3) -> y`` for the MoE layers of one traced loss: the
-    ``i``-th call counts its tokens as layer ``i``, then runs the experts on this device (whole
-    ``[E, ...]`` weights) or, with ``ep_group``, through the all-to-all exchange over it
-    (``[E / ep, ...]`` weights: this rank's experts).
+    ``i``-th call counts its tokens as layer ``i`` into ``recorder``, then runs the experts on this
+    device (whole ``[E, ...]`` weights) or, with ``ep_group``, through the all-to-all exchange over
+    it (``[E / ep, ...]`` weights: this rank's experts), recorded in ``recorder.exchange``.
 
-        with core.moe.routed_experts_impl(routed_fn(8, ep_group)):
-            loss = moe.loss(params_local, microbatch, cfg)
+        loss = moe.loss(params_local, microbatch, cfg, experts=routed_fn(8, recorder, ep_group))
     """
     from shardfn.core import moe
     from shardfn.runtime import moe_dispatch
@@ -215,40 +223,28 @@ def routed_fn(n_experts: int, ep_group=None, capacity_factor: float = 0.0) -> Ca
     group_name = ep_group.group_name if ep_group is not None else None
 
     def routed(x, indices, weights, w1, w2, w3):
-        weights = count_experts(indices, weights, next(layers), n_experts)
+        weights = count_experts(indices, weights, next(layers), n_experts, recorder.id)
         if group_name is None:
             return moe.routed_experts(x, indices, weights, w1, w2, w3)
         return moe_dispatch.ep_experts(x, indices, weights, w1, w2, w3, None, None, None, group_name, n_experts,
-                                       capacity_factor)[0]
+                                       capacity_factor, recorder.exchange_id)[0]
 
     return routed
 
 
-def stage_loss(model, model_cfg, ep_group=None) -> Callable:
+def stage_loss(model, model_cfg, recorder: Recorder, ep_group=None) -> Callable:
     """``loss_fn(params, batch)`` for :func:`~shardfn.partition.pipeline.build_pipeline`: the
-    model's loss with its MoE layers counted and, with ``ep_group``, expert-parallel.
+    model's loss with its MoE layers counted into ``recorder`` and, with ``ep_group``,
+    expert-parallel.
 
-        pipe = build_pipeline(stage_loss(moe, cfg.model, ep_group), held, microbatch, 2)
+        pipe = build_pipeline(stage_loss(moe, cfg.model, Recorder(), ep_group), held, microbatch, 2)
     """
-    n_experts = getattr(model_cfg, "n_experts", 0)
-    if not n_experts:
+    layout = expert_layout(model, model_cfg)
+    if layout is None:
         return lambda params, batch: model.loss(params, batch, model_cfg)
-    from shardfn.core import moe
-
-    capacity = getattr(model_cfg, "capacity_factor", 0.0) or 0.0
+    n_experts, capacity = layout.n_experts, model_cfg.capacity_factor
 
     def loss_fn(params, batch):
-        with moe.routed_experts_impl(routed_fn(n_experts, ep_group, capacity)):
-            return model.loss(params, batch, model_cfg)
+        return model.loss(params, batch, model_cfg, experts=routed_fn(n_experts, recorder, ep_group, capacity))
 
     return loss_fn
-
-
-def load_metrics(counts: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per MoE layer, the most-loaded expert's tokens over the mean (the one-device step's metric).
-
-        load_metrics(torch.tensor([[4, 0, 2, 2]]))  # {"expert_load_max_over_mean/0": tensor(2.)}
-    """
-    counts = counts.to(torch.float32)
-    load = counts.amax(-1) / counts.mean(-1).clamp_min(1.0)
-    return {f"expert_load_max_over_mean/{i}": load[i] for i in range(load.shape[0])}

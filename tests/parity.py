@@ -6,11 +6,11 @@ import torch
 
 import shardfn as sf
 from shardfn import P, models
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.transforms import value_and_grad
 from shardfn.runtime import data
-from shardfn.runtime.partitioned import full, mesh_from_config, partitioned_step, with_expert_regions
-from shardfn.runtime.train import make_optimizer, make_train_step
+from shardfn.runtime.partitioned import expert_region, full, mesh_from_config, mesh_step
+from shardfn.runtime.train_step import make_optimizer, make_train_step
 
 STEPS = 3
 BASE = ["train.batch_size=8", "train.seq_len=32", "train.warmup_steps=1"]
@@ -20,26 +20,25 @@ def setup(overrides, config=None):
     cfg = load_config(config, BASE + list(overrides))
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     tokens = data.from_config(cfg.data)
     batches = [data.get_batch(tokens, s, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len,
                               seed=cfg.train.seed) for s in range(STEPS)]
     return cfg, model, params, opt, batches
 
 
-def _grad_fn(model, cfg):
-    return value_and_grad(lambda p, b: model.loss(p, b, cfg.model))
+def _grad_fn(model, cfg, experts=None):
+    return value_and_grad(lambda p, b: model.loss(p, b, cfg.model, experts=experts))
 
 
 def layout_worker(overrides, config=None):
     cfg, model, params, opt, batches = setup(overrides, config)
     state = opt.init(params)
     mesh = mesh_from_config(cfg)
-    step = partitioned_step(cfg, model, opt, params, state, mesh, backend=None)
+    step = mesh_step(cfg, model, opt, params, mesh, backend=None)
     specs = step.specs
-    grad_step = with_expert_regions(
-        lambda p, b: (lambda lg: (lg[0], sf.constrain(lg[1], specs["params"])))(_grad_fn(model, cfg)(p, b)),
-        cfg, mesh, specs)
+    grad_of = _grad_fn(model, cfg, expert_region(model, cfg.model, mesh, specs))
+    grad_step = lambda p, b: (lambda lg: (lg[0], sf.constrain(lg[1], specs["params"])))(grad_of(p, b))  # noqa: E731
     grad_fn = sf.jit(grad_step,
                      mesh, in_specs=(specs["params"], specs["batch"]), out_specs=(P(), specs["params"]),
                      fsdp_argnums=(0,) if cfg.mesh.fsdp > 1 else (), backend=None)

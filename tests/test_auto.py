@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import shardfn as sf
 from shardfn import P
 from shardfn.partition import auto
+from shardfn.partition.api import jit_auto
 from shardfn.partition.cost import CostModel
 from shardfn.partition.hardware import Hardware, available_hardware, load_hardware
 from shardfn.partition.trace import trace
@@ -248,7 +249,7 @@ def _auto_worker():
     p, x = parity_data()
     out = {}
     for name, fixed in PLANS.items():
-        step, result = auto.jit_auto(parity_step, mesh, (p, x), arg_names=("params", "x"), fixed_specs=fixed)
+        step, result = jit_auto(parity_step, mesh, (p, x), arg_names=("params", "x"), fixed_specs=fixed)
         new_p, loss = step(p, x, backend=None)
         out[name] = {"loss": loss.full_tensor(), "params": {k: v.full_tensor() for k, v in new_p.items()},
                      "in_specs": result.in_specs, "estimated": result.collectives(), "comm": step.comm_report()}
@@ -279,20 +280,20 @@ def model_step(name, mesh, overrides=()):
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from shardfn.core.config import load_config
-    from shardfn.runtime.partitioned import layout, with_expert_regions
-    from shardfn.runtime.train import make_optimizer, make_train_step
+    from shardfn.config import load_config
+    from shardfn.runtime.partitioned import expert_region, layout
+    from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config(name, list(overrides))
     model = sys.modules[type(cfg.model).__module__]
     with FakeTensorMode():
         params = model.init(cfg.model, 0, dtype=torch.bfloat16)
-        opt = make_optimizer(cfg.train)
+        opt = make_optimizer(cfg.train, model)
         opt_state = opt.init(params)
         shape = (cfg.train.batch_size, cfg.train.seq_len)
         batch = {"inputs": torch.zeros(shape, dtype=torch.long), "targets": torch.zeros(shape, dtype=torch.long)}
-    step = with_expert_regions(make_train_step(model, cfg.model, opt), cfg, mesh,
-                               layout(cfg, model, params, opt_state, mesh))
+    experts = expert_region(model, cfg.model, mesh, layout(cfg, model, params, opt_state, mesh))
+    step = make_train_step(model, cfg.model, opt, experts=experts)
     return step, (params, opt_state, batch), model.param_axes(cfg.model)
 
 
@@ -324,13 +325,13 @@ def test_models_never_worse_than_the_best_preset(clean_process_group, name, axes
 def _llama_tiny_step():
     import sys
 
-    from shardfn.core.config import load_config
-    from shardfn.runtime.train import make_optimizer, make_train_step
+    from shardfn.config import load_config
+    from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config("llama_tiny", ["train.batch_size=4", "train.seq_len=16"])
     model = sys.modules[type(cfg.model).__module__]
     params = model.init(cfg.model, 0)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     tokens = torch.randint(0, cfg.model.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     batch = {"inputs": tokens[:, :-1].contiguous(), "targets": tokens[:, 1:].contiguous()}
     return make_train_step(model, cfg.model, opt), (params, opt.init(params), batch)
@@ -341,7 +342,7 @@ def _llama_tiny_worker():
 
     step, args = _llama_tiny_step()
     fixed = {"batch": P("dp"), "params.layers.mlp": P(None, None, "tp"), "params.layers.attn.wq": P(None, None, "tp")}
-    lowered, result = auto.jit_auto(step, sf.Mesh({"dp": 2, "tp": 2}), args, fixed_specs=fixed,
+    lowered, result = jit_auto(step, sf.Mesh({"dp": 2, "tp": 2}), args, fixed_specs=fixed,
                                     arg_names=("params", "opt_state", "batch"))
     params, _, metrics = lowered(*args, backend=None)
     return {"params": tree_map(lambda t: t.full_tensor(), params), "loss": metrics["loss"].full_tensor(),

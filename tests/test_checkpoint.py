@@ -14,12 +14,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from shardfn import models
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import flatten_with_paths, tree_leaves
 from shardfn.runtime import checkpoint as ck
 from shardfn.runtime import data
 from shardfn.runtime.launch import RankFailed, spawn
-from shardfn.runtime.train import make_optimizer, make_train_step, train
+from shardfn.runtime.train import train
+from shardfn.runtime.train_step import make_optimizer, make_train_step
 
 SMALL = ["train.batch_size=4", "train.seq_len=16", "train.log_every=1000", "train.warmup_steps=2"]
 
@@ -29,7 +30,7 @@ def _state(config=None, overrides=(), steps=1):
     cfg = load_config(config, [*SMALL, *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     state = opt.init(params)
     step = make_train_step(model, cfg.model, opt)
     tokens = data.from_config(cfg.data)
@@ -41,7 +42,7 @@ def _state(config=None, overrides=(), steps=1):
 def _fresh(cfg):
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed + 1)  # other values, same shapes
-    return params, make_optimizer(cfg.train).init(params)
+    return params, make_optimizer(cfg.train, model).init(params)
 
 
 def _assert_trees_equal(a, b):
@@ -147,15 +148,15 @@ def test_a_different_model_or_optimizer_is_named(tmp_path):
         ck.load_checkpoint(path, *_fresh(no_clip))
     more = {**params, "extra": torch.ones(2)}
     with pytest.raises(ValueError, match=r"has no 'params\.extra'"):
-        ck.load_checkpoint(path, more, make_optimizer(cfg.train).init(more))
+        ck.load_checkpoint(path, more, make_optimizer(cfg.train, models.get("llama")).init(more))
     half = {k: v.to(torch.bfloat16) if k == "embed" else v for k, v in params.items()}
     with pytest.raises(ValueError, match=r"'params\.embed' is torch\.float32, this run's is torch\.bfloat16"):
         ck.load_checkpoint(path, half, state)
 
 
 def test_resume_policy_errors(tmp_path):
-    def cfg(*extra):
-        return load_config(None, [*SMALL, f"train.checkpoint.dir={tmp_path}", *extra])
+    def cfg(*extra):  # the train.checkpoint section that resume_path reads
+        return load_config(None, [*SMALL, f"train.checkpoint.dir={tmp_path}", *extra]).train.checkpoint
 
     with pytest.raises(ValueError, match=r"train.checkpoint.resume=true \(--resume\).*holds no complete checkpoint"):
         ck.resume_path(cfg("train.checkpoint.resume=true"))
@@ -220,15 +221,14 @@ def _train_worker(config, overrides, metrics=None, kill=None):
 def _exact_resume_worker(config, overrides, d):
     """2N steps, saving after N; then a restore of step N (DTensors, this mesh's layout) and N more
     steps from it, with the same compiled step: both halves' losses and states, per rank."""
+    from shardfn.runtime.build import build_step
     from shardfn.runtime.partitioned import full
-    from shardfn.runtime.train import build_step
 
     cfg = load_config(config, [*SMALL, *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
-    state = opt.init(params)
-    step_fn = build_step(cfg, model, opt, params, state)
+    step_fn = build_step(cfg, model, params)
+    params, state = step_fn.place(params)
     tokens = data.from_config(cfg.data)
     batches = [data.get_batch(tokens, s, batch_size=4, seq_len=16) for s in range(4)]
     p, s, losses = params, state, []
@@ -238,7 +238,8 @@ def _exact_resume_worker(config, overrides, d):
         if i == 1:
             ck.save_checkpoint(d, 2, p, s, config=cfg.to_dict())
             at_2 = full((p, s))
-    loaded = ck.restore(ck.latest_checkpoint(d), cfg, step_fn, params, state)
+    loaded = ck.restore(ck.latest_checkpoint(d), step_fn, *step_fn.place(model.init(cfg.model, cfg.train.seed)),
+                        config=cfg.to_dict())
     assert all(isinstance(x, DTensor) for x in tree_leaves((loaded.params, loaded.opt_state)))
     p, s, again = loaded.params, loaded.opt_state, []
     for b in batches[loaded.step:]:
@@ -250,27 +251,26 @@ def _exact_resume_worker(config, overrides, d):
 
 def _reshard_save_worker(config, overrides, d):
     """Save a known state (one device's, after 1 step) as DTensors of this mesh's layout."""
-    from shardfn.runtime.partitioned import layout, mesh_from_config
+    from shardfn.runtime.partitioned import distribute, layout, mesh_from_config
 
     cfg, params, state = _state(config, overrides)
     mesh = mesh_from_config(cfg)
     specs = layout(cfg, models.get(cfg.model_name), params, state, mesh)
-    p, s = ck.distribute(params, specs["params"], mesh), ck.distribute(state, specs["opt_state"], mesh)
+    p, s = distribute(params, specs["params"], mesh), distribute(state, specs["opt_state"], mesh)
     assert {tuple(x.placements) for x in tree_leaves(p)} > {tuple(x.placements) for x in tree_leaves(p)[:1]}
     return str(ck.save_checkpoint(d, 1, p, s, config=cfg.to_dict()))
 
 
 def _reshard_load_worker(config, overrides, path):
     """Load ``path`` in this mesh's layout (each rank its own shards), gathered; then train on from it."""
+    from shardfn.runtime.build import build_step
     from shardfn.runtime.partitioned import full
-    from shardfn.runtime.train import build_step
 
     cfg = load_config(config, [*SMALL, *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed + 1)
-    opt = make_optimizer(cfg.train)
-    state = opt.init(params)
-    like = ck.target_like(build_step(cfg, model, opt, params, state), params, state)
+    step = build_step(cfg, model, params)
+    like = step.to_checkpoint(*step.place(params))
     assert all(isinstance(x, DTensor) for x in tree_leaves(like))
     loaded = ck.load_checkpoint(path, *like)
     resumed = _run(config, [*overrides, "train.steps=2", f"train.checkpoint.dir={Path(path).parent}",

@@ -17,8 +17,9 @@ from shardfn.core.pytree import tree_leaves
 from shardfn.core.transforms import value_and_grad
 from shardfn.partition.pipeline import build_pipeline, stage_params
 from shardfn.runtime import executor
+from shardfn.runtime.pipeline_step import build_pipeline_step, make_pipeline_step
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.schedules import get_schedule
+from shardfn.partition.schedules import get_schedule
 
 # ------------------------------------------------------------------ a tiny stacked-layer model
 
@@ -63,6 +64,11 @@ def make_adamw():
     return optim.adamw(optim.warmup_cosine(1e-2, 1, 3, 0.1), weight_decay=0.1)
 
 
+def clipped_adamw(norm):
+    """The reference's optimizer, clipping by ``norm`` (the pipeline step's norm over all stages)."""
+    return optim.chain(optim.clip_by_global_norm(CLIP, norm=norm), make_adamw())
+
+
 def reference(steps):
     """Loss, grad norm per step, first-step grads and final params on one device."""
     opt = optim.chain(optim.clip_by_global_norm(CLIP), make_adamw())
@@ -95,8 +101,7 @@ def _pipeline_worker(axes, names, m, steps, use_mesh):
     out = {}
     for name, sched in scheds.items():
         # without a mesh the default group is the pp group
-        step = executor.make_pipeline_step(pipes[sched.n_stages], sched, mesh if use_mesh else None, make_adamw(),
-                                           grad_clip=CLIP)
+        step = make_pipeline_step(pipes[sched.n_stages], sched, mesh if use_mesh else None, clipped_adamw)
         local = step.scatter(tiny_params())
         state = step.optimizer.init(local)
         losses, norms, grads = [], [], None
@@ -109,8 +114,14 @@ def _pipeline_worker(axes, names, m, steps, use_mesh):
     return out
 
 
-def _close(a, b):
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+def _close(a, b, atol=1e-6):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
+
+
+PARAM_ATOL = 2e-5
+"""Adam divides by sqrt(v): where a gradient element is near zero its last-bit differences (the
+microbatch sums run in another order) can move that parameter by a few 1e-6 at lr 1e-2; measured:
+1 element of 4096 off by 3.6e-6 after 3 steps on pp2 (tests/parity.py has the same slack)."""
 
 
 def check_parity(axes, names, m, steps=3, use_mesh=True):
@@ -122,9 +133,10 @@ def check_parity(axes, names, m, steps=3, use_mesh=True):
             for key in ("losses", "norms"):
                 for a, b in zip(got[key], ref[key], strict=True):
                     _close(a, b)
-            for key in ("grads", "params"):
-                for a, b in zip(tree_leaves(got[key]), tree_leaves(ref[key]), strict=True):
-                    _close(a, b)
+            for a, b in zip(tree_leaves(got["grads"]), tree_leaves(ref["grads"]), strict=True):
+                _close(a, b)
+            for a, b in zip(tree_leaves(got["params"]), tree_leaves(ref["params"]), strict=True):
+                _close(a, b, atol=PARAM_ATOL)
     assert ref["norms"][0] > CLIP  # clipping was active, so the global norm mattered
 
 
@@ -181,9 +193,8 @@ def test_errors_name_the_fix():
         executor.run_schedule(pipe, get_schedule("1f1b", 1, 4), 0, {}, [])
     with pytest.raises(ValueError, match=r"8 rows, not divisible by pipeline.microbatches=3"):
         executor.split_microbatches(batch, 3)
-    with pytest.raises(ValueError, match=r"without clip_by_global_norm and set grad_clip"):
-        executor.make_pipeline_step(pipe, get_schedule("1f1b", 1, 4), None,
-                                    optim.chain(optim.clip_by_global_norm(1.0), make_adamw()))
+    with pytest.raises(ValueError, match=r"needs an optimizer: a function norm -> GradientTransformation"):
+        make_pipeline_step(pipe, get_schedule("1f1b", 1, 4), None)
 
 
 # ------------------------------------------------------------------ llama_tiny from a run config
@@ -191,13 +202,13 @@ def test_errors_name_the_fix():
 
 def _llama_worker(overrides, steps):
     from shardfn import models
-    from shardfn.core.config import load_config
+    from shardfn.config import load_config
     from shardfn.runtime import data
 
     cfg = load_config(None, overrides)
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    step = executor.build_pipeline_step(cfg, model, params)
+    step = build_pipeline_step(cfg, model, params)
     local = step.scatter(params)
     state = step.optimizer.init(local)
     tokens = data.from_config(cfg.data)
@@ -212,9 +223,9 @@ def _llama_worker(overrides, steps):
 def test_llama_tiny_config_matches_the_one_device_step():
     pytest.importorskip("shardfn.models.llama")
     from shardfn import models
-    from shardfn.core.config import load_config
+    from shardfn.config import load_config
     from shardfn.runtime import data
-    from shardfn.runtime.train import make_optimizer, make_train_step
+    from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     overrides = ["mesh.pp=2", "pipeline.schedule=zbh1", "pipeline.microbatches=2", "train.batch_size=4",
                  "train.seq_len=16", "train.warmup_steps=1", "train.grad_clip=0.5"]
@@ -222,7 +233,7 @@ def test_llama_tiny_config_matches_the_one_device_step():
     cfg = load_config(None, overrides)
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     state = opt.init(params)
     train_step = make_train_step(model, cfg.model, opt)
     tokens = data.from_config(cfg.data)
@@ -246,7 +257,7 @@ def test_llama_tiny_config_matches_the_one_device_step():
 def test_compiled_programs_match():
     params, batch = tiny_params(), batches(1)[0]
     pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 1)
-    step = executor.make_pipeline_step(pipe, get_schedule("zbh1", 1, 2), None, make_adamw(), compile=True)
+    step = make_pipeline_step(pipe, get_schedule("zbh1", 1, 2), None, lambda norm: make_adamw(), compile=True)
     out = executor.run_schedule(pipe, step.schedule, 0, {0: stage_params(params, pipe, 0)},
                                 executor.split_microbatches(batch, 2))
     assert pipe.stages[0].F.fn is not None
@@ -260,7 +271,7 @@ def test_local_trees_round_trip_params_and_optimizer_state():
     params, batch = tiny_params(), batches(1)[0]
     sched = get_schedule("interleaved_1f1b", 1, 2, 2)
     pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 2)
-    step = executor.make_pipeline_step(pipe, sched, None, make_adamw(), grad_clip=CLIP)
+    step = make_pipeline_step(pipe, sched, None, clipped_adamw)
     local = step.scatter(params)
     assert sorted(local) == ["stage0", "stage1"]
     assert local["stage0"]["layers"]["w1"].shape == (L // 2, D, H)   # stacked leaves narrowed

@@ -10,9 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.runtime import launch
 from shardfn.runtime.launch import RankFailed, spawn
 from shardfn.runtime.train import train

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from shardfn import models
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.models import hf
 from shardfn.runtime import data

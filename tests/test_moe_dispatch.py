@@ -54,7 +54,7 @@ def _worker(routing, ep, dp):
     mesh = sf.Mesh(axes)
     x, w_router, experts = make_inputs(routing)
     data_axes = tuple(a for a in ("dp", "ep") if axes[a] > 1)
-    routed = moe_dispatch.expert_parallel_region(mesh, data_axes, "ep", E)
+    routed = moe_dispatch.ExpertRegion(mesh, data_axes, "ep", E)
 
     def loss(params, x):
         idx, weights = route_static(x, params["router"])
@@ -69,10 +69,10 @@ def _worker(routing, ep, dp):
     specs = {"router": P(), "w1": P("ep"), "w2": P("ep"), "w3": P("ep")}
     jitted = sf.jit(step, mesh, in_specs=(specs, tok), out_specs=(P(), specs), backend=None)
     l, g = jitted(params, x)
-    stats = moe_dispatch.exchange_stats()
+    stats = list(routed.exchange.stats)
     jitted(params, x)  # each call records its own exchanges: none pile up, layers keep their numbers
     return {"loss": l.full_tensor(), "grads": {k: v.full_tensor() for k, v in g.items()},
-            "stats": stats, "again": moe_dispatch.exchange_stats(), "comm": jitted.lower(params, x).comm_report()}
+            "stats": stats, "again": list(routed.exchange.stats), "comm": jitted.lower(params, x).comm_report()}
 
 
 def reference(routing):
@@ -125,7 +125,7 @@ def _shared_capacity_worker(capacity_factor):
     x, w_router, experts = make_inputs("random")
     g = torch.Generator().manual_seed(5)
     shared = [torch.randn(D, H, generator=g) * 0.2, torch.randn(H, D, generator=g) * 0.2, torch.randn(D, H, generator=g) * 0.2]
-    routed = moe_dispatch.expert_parallel_region(mesh, ("ep",), "ep", E, capacity_factor=capacity_factor, shared=True)
+    routed = moe_dispatch.ExpertRegion(mesh, ("ep",), "ep", E, capacity_factor=capacity_factor, shared=True)
 
     def loss(params, x):
         idx, weights = route_static(x, params["router"])
@@ -137,10 +137,9 @@ def _shared_capacity_worker(capacity_factor):
     specs = {"router": P(), "w1": P("ep"), "w2": P("ep"), "w3": P("ep"), "s1": P(), "s2": P(), "s3": P()}
     step = sf.jit(lambda p, x: torch.func.grad_and_value(loss)(p, x)[::-1], mesh,
                   in_specs=(specs, P("ep")), out_specs=(P(), specs), backend=None)
-    moe_dispatch.reset_stats()
     l, grads = step(params, x)
     return {"loss": l.full_tensor(), "grads": {k: v.full_tensor() for k, v in grads.items()},
-            "stats": moe_dispatch.exchange_stats(), "params": params}
+            "stats": list(routed.exchange.stats), "params": params}
 
 
 def _shared_reference(params, x, keep=None):

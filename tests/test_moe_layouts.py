@@ -4,7 +4,7 @@ all-to-all bytes of each MoE layer against the routing decisions of the step."""
 import pytest
 
 from parity import assert_matches, reference, run_layout
-from shardfn.core.config import resolve_path
+from shardfn.config import resolve_path
 
 MOE = str(resolve_path("moe_tiny"))
 

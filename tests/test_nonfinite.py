@@ -6,12 +6,13 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn import models
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
 from shardfn.models import hf
 from shardfn.runtime import data
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.train import make_optimizer, make_train_step, nonfinite_message, train
+from shardfn.runtime.train import nonfinite_message, train
+from shardfn.runtime.train_step import make_optimizer, make_train_step
 
 POISON = ord("~")  # a byte the embedded corpus never uses; its embedding row is NaN
 SMALL = ["model.n_layers=1", "train.batch_size=4", "train.seq_len=32", "train.log_every=1000", "train.steps=6",
@@ -44,7 +45,8 @@ def poisoned_run(tmp_path, steps=6):
 def replay(overrides, params, bad):
     """The skip run by hand: the plain step on every step, its result dropped on the bad ones."""
     cfg = load_config(None, overrides)
-    model, opt = models.get("llama"), make_optimizer(cfg.train)
+    model = models.get("llama")
+    opt = make_optimizer(cfg.train, model)
     step, state = make_train_step(model, cfg.model, opt), opt.init(params)
     tokens = data.from_config(cfg.data)
     for s in range(cfg.train.steps):
@@ -56,7 +58,8 @@ def replay(overrides, params, bad):
 
 def test_skip_inside_the_step_returns_inputs_unchanged_without_a_host_sync():
     cfg = load_config(None, SMALL)
-    model, opt = models.get("llama"), make_optimizer(cfg.train)
+    model = models.get("llama")
+    opt = make_optimizer(cfg.train, model)
     params = model.init(cfg.model, seed=0)
     batch = data.get_batch(data.load_tokens(None), 0, batch_size=4, seq_len=32)
     guarded, plain = make_train_step(model, cfg.model, opt, skip_nonfinite=True), make_train_step(model, cfg.model, opt)

@@ -9,7 +9,7 @@ from parity import assert_matches, layout_worker, reference, setup
 from shardfn import P
 from shardfn.core.pytree import flatten_with_paths, size_bytes
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.partitioned import layout, mesh_from_config, partitioned_step
+from shardfn.runtime.partitioned import layout, mesh_from_config, mesh_step
 
 LAYOUTS = {
     "dp2": (["mesh.dp=2"], 2, (2, 64, 64)),
@@ -42,7 +42,7 @@ def planner(clean_process_group):
         cfg, model, params, opt, batches = setup(overrides)
         state = opt.init(params)
         mesh = mesh_from_config(cfg, fake=True)
-        step = partitioned_step(cfg, model, opt, params, state, mesh, backend=None)
+        step = mesh_step(cfg, model, opt, params, mesh, backend=None)
         return cfg, model, params, step.specs, step.jitted.lower(params, state, batches[0])
     return lower
 

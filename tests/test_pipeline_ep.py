@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from parity import assert_matches, reference, setup
-from shardfn.core.config import load_config, resolve_path
+from shardfn.config import load_config, resolve_path
 from shardfn.core.pytree import flatten_with_paths, tree_leaves
-from shardfn.runtime import executor
+from shardfn.runtime.pipeline_step import build_pipeline_step
 from shardfn.runtime.launch import spawn
 
 MOE = str(resolve_path("moe_tiny"))
@@ -27,7 +27,7 @@ def _pipeline_ep_worker(overrides, schedules):
     out = {}
     for name in schedules:
         cfg, model, params, _, batches = setup([*overrides, f"pipeline.schedule={name}"], MOE)
-        step = executor.build_pipeline_step(cfg, model, params)
+        step = build_pipeline_step(cfg, model, params)
         local = step.scatter(params)
         state = step.optimizer.init(local)
         losses, grads, loads = [], None, []
@@ -91,7 +91,8 @@ def test_errors_name_the_key():
     from shardfn import models
 
     cases = [
-        (["mesh.pp=2", "mesh.ep=3", "train.batch_size=12"], ValueError, r"mesh.ep=3 does not divide model.n_experts=8.*\[1, 2, 4, 8\]"),
+        (["mesh.pp=2", "mesh.ep=3", "train.batch_size=12"], ValueError,
+         r"mesh\.ep: 3 does not divide model\.n_experts = 8.*\[1, 2, 4, 8\]"),
         (["mesh.pp=2", "mesh.tp=2"], NotImplementedError, r"set mesh.tp=1"),
         (["mesh.pp=2", "mesh.fsdp=2"], NotImplementedError, r"set mesh.fsdp=1"),
         (["mesh.pp=2", "mesh.ep=2", "rules.expert=null"], ValueError, r"set rules.expert=ep"),
@@ -100,7 +101,7 @@ def test_errors_name_the_key():
         cfg = load_config(MOE, overrides)
         model = models.get(cfg.model_name)
         with pytest.raises(error, match=match):
-            executor.build_pipeline_step(cfg, model, model.init(cfg.model, 0, device="meta"))
+            build_pipeline_step(cfg, model, model.init(cfg.model, 0, device="meta"))
 
 
 def test_train_command_pp2_ep2_matches_one_device(tmp_path, capfd):

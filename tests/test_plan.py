@@ -6,10 +6,15 @@ import json
 
 import pytest
 
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.partition import plan as pl
-from shardfn.partition.plan import Layout, PlanError
+import importlib
+
+from shardfn import plan as pl
+from shardfn.plan import inventory
+
+plan_search = importlib.import_module("shardfn.plan.search")  # the module (shardfn.plan.search is the function)
+from shardfn.plan import Layout, PlanError
 
 F32 = 4
 # Optimizer scalars: AdamW's and the schedule's int32 step counters, the learning rate and the
@@ -195,7 +200,7 @@ def test_search_ranks_fitting_layouts_and_refuses_with_keys(clean_process_group)
 def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
     from parity import BASE, run_layout
 
-    from shardfn.core.config import resolve_path
+    from shardfn.config import resolve_path
 
     # the same run the expert-parallel parity tests check (3 steps; reports of the last)
     real = run_layout(mesh, 4, str(resolve_path("moe_tiny")))
@@ -221,16 +226,17 @@ def test_search_bound_counts_fsdp_gathers_and_stays_below_the_plan(clean_process
     import torch
 
     cfg = load_config("llama_tiny", ["model.n_layers=2", "train.batch_size=8", "train.seq_len=16"])
-    layout = pl.Layout(fsdp=2)
-    hw = pl.load_hardware("cpu")
     from shardfn import models
+    from shardfn.partition.hardware import load_hardware
 
+    layout = pl.Layout(fsdp=2)
+    hw = load_hardware("cpu")
     model = models.get(cfg.model_name)
-    leaves = pl._leaves(model, cfg.model, layout.axes(), cfg.rules, torch.float32)
-    facts = pl._model_facts(cfg.model, leaves)
+    leaves = inventory.mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, torch.float32)
+    facts = inventory.model_facts(model, cfg.model, leaves)
     static = pl.memory_bytes(cfg, layout)
-    _, without = pl._lower_bounds(cfg, layout, hw, torch.float32, facts, static)
-    _, bound = pl._lower_bounds(cfg, layout, hw, torch.float32, facts, static, leaves)
+    _, without = plan_search._lower_bounds(cfg, layout, hw, torch.float32, facts, static)
+    _, bound = plan_search._lower_bounds(cfg, layout, hw, torch.float32, facts, static, leaves)
     plan = pl.make_plan(cfg, layout, hardware=hw)
     gathered = sum(r["bytes"] for r in plan.comm if r["op"] == "all_gather" and r["axis"] == "fsdp")
     weights = sum(leaf.local_bytes() * 2 for leaf in leaves if "fsdp" in leaf.spec.axes())

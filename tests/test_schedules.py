@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from shardfn.runtime import schedule_cli
-from shardfn.runtime.schedules import (
+from shardfn.cli import schedule as schedule_cli
+from shardfn.partition.schedules import (
     SCHEDULES, Action, Schedule, ScheduleError, add_communication, dualpipev, dump_schedule,
     format_table, format_timeline, get_schedule, gpipe, group_steps, interleaved_1f1b,
     load_schedule, one_f_one_b, parse_action, simulate, stage_to_rank_map, validate, zbh1,

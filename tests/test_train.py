@@ -9,13 +9,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn import models
 from shardfn.core import optim
-from shardfn.core.config import load_config
+from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
 from shardfn.runtime import data
-from shardfn.runtime.train import (
-    build_step, latest_checkpoint, make_optimizer, make_train_step, save_checkpoint, load_checkpoint,
-    train, trainable_mask,
-)
+from shardfn.runtime.build import build_step
+from shardfn.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from shardfn.runtime.train import train
+from shardfn.runtime.train_step import make_optimizer, make_train_step, trainable_mask
 
 SMALL = ["train.batch_size=4", "train.seq_len=32", "train.log_every=1000"]
 
@@ -24,7 +24,7 @@ def _setup(overrides=(), config=None):
     cfg = load_config(config, [*SMALL, *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     batch = data.get_batch(data.load_tokens(None), 0, batch_size=4, seq_len=32)
     return cfg, model, params, opt, batch
 
@@ -64,7 +64,7 @@ def test_compiled_step_matches_eager():
     cfg, model, params, opt, batch = _setup(["train.compile=true"])
     state = opt.init(params)
     eager = make_train_step(model, cfg.model, opt)
-    compiled = build_step(cfg, model, opt, params, state)
+    compiled = build_step(cfg, model, params)
     p1, s1, m1 = eager(params, state, batch)
     p2, s2, m2 = compiled(params, state, batch)
     torch.testing.assert_close(m1["loss"], m2["loss"], rtol=1e-5, atol=1e-5)
@@ -115,7 +115,10 @@ def test_checkpoint_keeps_newest_and_checks_structure(tmp_path):
 
 def test_trainable_mask_freezes_router_bias():
     params = {"embed": torch.ones(2), "moe_layers": {"router_bias": torch.zeros(2), "w": torch.ones(2)}}
-    assert trainable_mask(params) == {"embed": True, "moe_layers": {"router_bias": False, "w": True}}
+    mask = trainable_mask(models.get("moe").FROZEN)
+    assert mask(params) == {"embed": True, "moe_layers": {"router_bias": False, "w": True}}
+    staged = {"stage1": params}  # a pipeline rank's local tree: the same leaf under a stage prefix
+    assert mask(staged) == {"stage1": {"embed": True, "moe_layers": {"router_bias": False, "w": True}}}
 
 
 def test_moe_step_balances_router_bias_outside_the_optimizer():
@@ -126,7 +129,7 @@ def test_moe_step_balances_router_bias_outside_the_optimizer():
     params = model.init(cfg.model, 0)
     params["moe_layers"]["router_bias"] = torch.linspace(-0.01, 0.01, params["moe_layers"]["router_bias"].numel()).view_as(
         params["moe_layers"]["router_bias"])
-    opt = make_optimizer(cfg.train)
+    opt = make_optimizer(cfg.train, model)
     batch = data.get_batch(data.load_tokens(None), 0, batch_size=4, seq_len=32)
     new, _, metrics = make_train_step(model, cfg.model, opt)(params, opt.init(params), batch)
     _, aux = model.loss_and_aux(params, batch, cfg.model)

@@ -7,12 +7,7 @@
 ``--stages`` is the number of pipeline ranks; with ``--virtual V`` each rank holds ``V`` stages.
 The text output is the action table (one column per rank), the simulated timeline and a summary;
 ``--json`` prints one object with ``bubble``, ``makespan``, ``peak_inflight`` and the actions.
-Register it in the ``shardfn`` command table with one line:
-
-    register_subcommand("schedule", HELP, "shardfn.runtime.schedule_cli:add_arguments",
-                        "shardfn.runtime.schedule_cli:run")
-
-Until then: ``python -m shardfn.runtime.schedule_cli --name zbh1 --stages 4 --microbatches 8``.
+``python -m shardfn.cli.schedule --name zbh1 --stages 4 --microbatches 8`` runs it on its own.
 Exit codes: 0 success, 1 a failure while running (e.g. no matplotlib for ``--plot``), 2 a bad
 schedule or option (message on stderr).
 """
@@ -24,7 +19,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from shardfn.runtime import schedules as S
+from shardfn.partition import schedules as S
 
 HELP = "print, validate, time and plot a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1, DualPipeV)"
 
@@ -203,7 +198,7 @@ def plot_timeline(sched: S.Schedule, sim: S.Simulation, path: str) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m shardfn.runtime.schedule_cli [options]``; returns the exit code.
+    """``python -m shardfn.cli.schedule [options]``; returns the exit code.
 
     Example:
         main(["--name", "dualpipev", "--stages", "4", "--microbatches", "8"])

@@ -15,7 +15,9 @@ the valid ones.
 
 ``rules`` maps logical axis names (the names models give their dims, plus the activation axes
 ``batch`` and ``seq``) to a mesh axis, a list of mesh axes, or null (replicated). The file's rules
-are merged over :data:`DEFAULT_RULES`, so a file only states what it changes.
+are merged over ``partition.layouts.DEFAULT_RULES``, so a file only states what it changes. The
+layout facts themselves (mesh axes, default rules, schedule names, divisibility) live in
+``shardfn.partition``; this module only reads and validates the file.
 """
 
 from __future__ import annotations
@@ -30,35 +32,12 @@ from typing import Any, Iterable, Union
 
 import yaml
 
-MESH_AXES = ("pp", "dp", "fsdp", "ep", "tp")
-"""Mesh axis names, major to minor (``tp`` varies fastest, so it stays within a node)."""
+from shardfn.partition.layouts import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, check_batch, data_size
+from shardfn.partition.schedules import SCHEDULES, canonical_name
+from shardfn.partition.spec import entry_axes
+from shardfn.core.units import parse_bytes
 
-LOGICAL_AXES = (
-    "batch", "seq",  # activations
-    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-    "expert", "expert_mlp", "q_lora", "kv_lora", "layers", "norm",
-)
-"""Logical axis names that ``rules`` may map (see docs/architecture.md)."""
-
-DEFAULT_RULES: dict[str, Any] = {
-    "batch": ["dp", "fsdp", "ep"],  # the global batch is split over every data-parallel axis
-    "seq": None,
-    "vocab": "tp",
-    "embed": "fsdp",  # ZeRO-3: parameters sharded along their embed dim
-    "heads": "tp",  # Megatron tensor parallelism: column-parallel q/k/v, row-parallel o
-    "kv_heads": "tp",
-    "head_dim": None,
-    "mlp": "tp",
-    "expert": "ep",
-    "expert_mlp": "tp",
-    "q_lora": None,
-    "kv_lora": None,
-    "layers": None,  # pipeline stages split the layers (see the pipeline section)
-    "norm": None,
-}
-"""Rules used for any logical axis a config does not mention (MaxText/TorchTitan-like layout)."""
-
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs"
+CONFIG_DIR = Path(__file__).resolve().parent / "examples" / "configs"
 """The packaged example configs (``shardfn/examples/configs``)."""
 
 DEFAULT_CONFIG = CONFIG_DIR / "llama_tiny.yaml"
@@ -160,14 +139,12 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # a schedule name from shardfn.runtime.schedules
+    schedule: str = "1f1b"  # a schedule name (partition.schedules.SCHEDULES)
     microbatches: int = 1  # per step (and per data-parallel rank)
     stages: Union[int, None] = None  # null: one stage per pp rank
 
     def validate(self) -> None:
-        from shardfn.runtime.schedules import SCHEDULES
-
-        _check(self.schedule.lower().replace("-", "_") in SCHEDULES, "pipeline.schedule",
+        _check(canonical_name(self.schedule) in SCHEDULES, "pipeline.schedule",
                f"must be one of {', '.join(SCHEDULES)}", self.schedule)
         _check(self.microbatches >= 1, "pipeline.microbatches", "must be >= 1", self.microbatches)
         _check(self.stages is None or self.stages >= 1, "pipeline.stages", "must be >= 1 or null", self.stages)
@@ -177,7 +154,6 @@ class PipelineConfig:
 class PartitionConfig:
     auto: bool = False  # search placements the specs and rules leave open
     memory_budget: Union[int, None] = None  # bytes per rank (YAML may say "40GiB"); null: no limit
-    sequence_parallel: bool = False  # tp: keep activations between blocks split over the sequence
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):
@@ -223,10 +199,7 @@ class RunConfig:
     @property
     def data_parallel_size(self) -> int:
         """How many ways the global batch is split: the product of the ``batch`` rule's mesh axes."""
-        size = 1
-        for name in _rule_names(self.rules.get("batch")):
-            size *= getattr(self.mesh, name)
-        return size
+        return data_size(self.rules, self.mesh.axes())
 
     def to_dict(self) -> dict:
         """Plain nested dict (YAML/JSON-serializable) that :func:`config_from_dict` reads back.
@@ -439,13 +412,10 @@ def _build_rules(section: dict) -> dict:
     return rules
 
 
-def _rule_names(target: Any, key: str = "rules") -> list[str]:
-    if target is None:
-        return []
-    if isinstance(target, str):
-        return [target]
-    if isinstance(target, (list, tuple)) and all(isinstance(t, str) for t in target):
-        return list(target)
+def _rule_names(target: Any, key: str) -> list[str]:
+    if target is None or isinstance(target, str) or (
+            isinstance(target, (list, tuple)) and all(isinstance(t, str) for t in target)):
+        return entry_axes(target)
     raise ValueError(f"{key} must be a mesh axis name, a list of names, or null; got {target!r}")
 
 
@@ -501,29 +471,6 @@ def _type_names(options: tuple) -> str:
     return " or ".join("null" if t is type(None) else t.__name__ for t in options)
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str, key: str = "value") -> int:
-    """``"40GiB"`` -> ``42949672960``; also ``kB MB GB TB KiB MiB GiB TiB`` and plain numbers.
-
-    Example:
-        parse_bytes("1.5 GB")  # 1500000000
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{key}: cannot read {text!r} as a size; write e.g. 40GiB, 80GB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 def _validate_run(cfg: RunConfig) -> None:
-    dp = cfg.data_parallel_size
-    b = cfg.train.batch_size
-    if b % dp:
-        raise ValueError(f"train.batch_size ({b}) must be divisible by the data-parallel size {dp} "
-                         f"(mesh axes {_rule_names(cfg.rules.get('batch'))} of rules.batch)")
-    mb = cfg.pipeline.microbatches
-    if (b // dp) % mb:
-        raise ValueError(f"pipeline.microbatches ({mb}) must divide the per-rank batch "
-                         f"train.batch_size / data-parallel size = {b // dp}")
+    check_batch(cfg.train.batch_size, cfg.data_parallel_size, cfg.pipeline.microbatches,
+                data_axes=entry_axes(cfg.rules.get("batch")))

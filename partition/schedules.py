@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
+from shardfn.partition.errors import LayoutError
+
 __all__ = [
-    "COMPUTE_KINDS", "COMM_KINDS", "DEFAULT_COSTS", "SCHEDULES",
+    "COMPUTE_KINDS", "COMM_KINDS", "DEFAULT_COSTS", "SCHEDULES", "canonical_name", "stages_per_rank",
     "Action", "Schedule", "ScheduleError", "Slot", "Simulation",
     "parse_action", "stage_to_rank_map", "group_steps",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zbh1", "dualpipev", "get_schedule",
@@ -430,7 +432,49 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "zbh1": zbh1,
     "dualpipev": dualpipev,
 }
+"""Schedule name -> its generator; the names ``pipeline.schedule`` accepts."""
+
 _VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": None, "zbh1": 1, "dualpipev": 2}
+_DEFAULT_VIRTUAL = 2  # interleaved_1f1b without pipeline.stages
+
+
+def canonical_name(name: str) -> str:
+    """``"Interleaved-1F1B"`` -> ``"interleaved_1f1b"``: how names are compared.
+
+    Example:
+        canonical_name("ZBH1") in SCHEDULES   # True
+    """
+    return name.lower().replace("-", "_")
+
+
+def stages_per_rank(name: str, n_ranks: int, n_stages: Optional[int] = None) -> int:
+    """How many pipeline stages each rank holds under the schedule ``name``.
+
+    ``n_stages`` is ``pipeline.stages`` (None: the schedule's own default, 2 for
+    ``interleaved_1f1b`` and ``dualpipev``, else 1). The runtime, the planner and the config
+    checks all ask this function.
+
+    Raises:
+        LayoutError: ``pipeline.stages`` is not a multiple of ``n_ranks``, or the schedule holds a
+            fixed number of stages per rank and ``n_stages`` asks for another.
+
+    Example:
+        stages_per_rank("interleaved_1f1b", 4), stages_per_rank("1f1b", 4, 8)   # 2, LayoutError
+    """
+    key = canonical_name(name)
+    fixed = _VIRTUAL.get(key, 1)
+    if n_stages is None:
+        return _DEFAULT_VIRTUAL if fixed is None else fixed
+    if n_stages % n_ranks:
+        raise LayoutError("pipeline.stages", f"{n_stages} is not a multiple of mesh.pp = {n_ranks}; use "
+                                             f"{n_ranks * max(1, n_stages // n_ranks)} or null (the schedule's default)")
+    virtual = n_stages // n_ranks
+    if fixed is not None and virtual != fixed:
+        other = "; for more stages per rank use interleaved_1f1b" if fixed == 1 else ""
+        raise LayoutError("pipeline.stages", f"{n_stages} stages on {n_ranks} ranks is {virtual} per rank, but {key} "
+                                             f"runs {fixed} per rank: set pipeline.stages={n_ranks * fixed} or "
+                                             f"null{other}")
+    return virtual
 
 
 def get_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: Optional[int] = None,
@@ -443,7 +487,7 @@ def get_schedule(name: str, n_ranks: int, n_microbatches: int, n_virtual: Option
     Example:
         get_schedule("interleaved_1f1b", n_ranks=4, n_microbatches=8, n_virtual=2)
     """
-    key = name.lower().replace("-", "_")
+    key = canonical_name(name)
     if key not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(SCHEDULES)}")
     fixed = _VIRTUAL[key]

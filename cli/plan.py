@@ -6,7 +6,7 @@ simulated mesh of any size; or, with ``--search``, the layouts of N devices that
 
 Nothing is allocated or run: parameters are fake tensors, the mesh is torch's fake process
 group, and a reduced model (one or two layers of each kind) is traced and scaled to the full
-depth (see ``shardfn.partition.plan`` and docs/plan.md). Exit codes: 0 a plan (whether or not it
+depth (see ``shardfn.plan`` and docs/plan.md). Exit codes: 0 a plan (whether or not it
 fits; see ``fits``) or a search that found a fitting layout, 1 a search that found none,
 2 a layout that cannot run (the message names the config key) or a config error.
 """
@@ -22,7 +22,7 @@ _DTYPES = ("float32", "bfloat16")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardfn plan`` (``--config`` and ``section.key=value`` included)."""
-    from shardfn.cli import add_config_arguments
+    from shardfn.cli.common import add_config_arguments
     from shardfn.partition.hardware import available_hardware
 
     add_config_arguments(parser)
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from shardfn.cli import UsageError, config_from_args
-    from shardfn.partition import plan as planner
+    from shardfn.cli.common import UsageError, config_from_args
+    from shardfn import plan as planner
 
     cfg = config_from_args(args)
     dtype = getattr(torch, args.dtype)
@@ -65,15 +65,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _search(cfg, args: argparse.Namespace, dtype) -> int:
-    from shardfn.cli import UsageError
-    from shardfn.partition import plan as planner
+    from shardfn import plan as planner
+    from shardfn.cli.common import UsageError
+    from shardfn.partition.schedules import SCHEDULES, canonical_name
 
     if not args.gpus:
         raise UsageError("--search needs --gpus N, the number of devices to lay the run out on")
-    schedules = tuple(s.strip().lower().replace("-", "_") for s in args.schedules.split(",") if s.strip())
-    unknown = [s for s in schedules if s not in planner.SCHEDULE_NAMES]
+    schedules = tuple(canonical_name(s.strip()) for s in args.schedules.split(",") if s.strip())
+    unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
-        raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}; valid: {', '.join(planner.SCHEDULE_NAMES)}")
+        raise UsageError(f"--schedules: unknown schedule {unknown[0]!r}; valid: {', '.join(SCHEDULES)}")
     try:
         microbatches = [int(m) for m in args.microbatches.split(",")] if args.microbatches else None
     except ValueError:

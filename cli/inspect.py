@@ -14,7 +14,7 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from shardfn.cli import add_config_arguments
+    from shardfn.cli.common import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print {comm: [...], memory: {...}} as JSON")
@@ -22,38 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def lower_config(cfg):
-    """The config's partitioned train step, lowered on a fake mesh of its world size."""
-    from shardfn import models
-    from shardfn.runtime import data
-    from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
-    from shardfn.runtime.train import make_optimizer
+    """The config's partitioned train step, lowered on a fake mesh of its world size (the same
+    lowering the planner measures: ``shardfn.plan.lower_step``)."""
+    from shardfn.plan import lower_step
 
     if cfg.mesh.pp > 1:
         raise ValueError("shardfn inspect lowers one program; for mesh.pp > 1 use `shardfn plan`")
-    model = models.get(cfg.model_name)
-    params = model.init(cfg.model, cfg.train.seed, device="meta")
-    params = _materialize_small(params)
-    opt = make_optimizer(cfg.train)
-    state = opt.init(params)
-    mesh = mesh_from_config(cfg, fake=True)
-    step = partitioned_step(cfg, model, opt, params, state, mesh, backend=None)
-    tokens = data.from_config(cfg.data)
-    batch = data.get_batch(tokens, 0, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed)
-    return step.jitted.lower(params, state, batch)
-
-
-def _materialize_small(params):
-    """Real zeros for the (small) configs inspect is meant for; planning large models is
-    ``shardfn plan``'s job."""
-    import torch
-
-    from shardfn.core.pytree import tree_map
-
-    return tree_map(lambda p: torch.zeros(p.shape, dtype=p.dtype), params)
+    return lower_step(cfg)
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardfn.cli import UsageError, config_from_args
+    from shardfn.cli.common import UsageError, config_from_args
 
     cfg = config_from_args(args)
     try:

@@ -1,0 +1,7 @@
+"""``python -m shardfn.cli``: the ``shardfn`` console script."""
+
+import sys
+
+from shardfn.cli.main import main
+
+sys.exit(main())

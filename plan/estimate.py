@@ -1,0 +1,316 @@
+"""The plan of one layout: memory, collectives, step time and fit per rank (see ``shardfn.plan``).
+
+    plan = make_plan(cfg, hardware="h200")
+    plan.fits, plan.per_rank["peak_bytes"], plan.time["step_s"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from shardfn.partition.hardware import Hardware, load_hardware
+from shardfn.partition.layouts import MESH_AXES
+from shardfn.plan.inventory import (
+    Leaf, ModelFacts, RankShare, leaf_on_rank, memory_bytes, mesh_leaves, model_facts, rank_shares, stage_shares,
+)
+from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, inflight, makespan_units, rank_stages
+from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, profile
+
+COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+"""Collective kinds in report order."""
+
+
+@dataclass
+class Plan:
+    """A layout's numbers per rank (see the module docstring for where each comes from).
+
+    ``per_rank`` is the binding pipeline rank (the largest peak memory); ``ranks`` has every
+    pipeline rank; ``comm`` lists the binding rank's collectives per step
+    (``{op, axis, bytes, count, source}``, ``source`` one of ``trace``, ``estimate``, ``schedule``).
+    :meth:`to_dict` is the JSON form (keys in docs/plan.md).
+
+    Example:
+        plan = make_plan(cfg); plan.fits, plan.time["step_s"], plan.to_dict()["per_rank"]
+    """
+
+    model: str
+    config: str | None
+    hardware: str
+    dtype: str
+    layout: Layout
+    batch: dict
+    params: dict
+    per_rank: dict
+    ranks: list
+    comm: list
+    time: dict
+    capacity_bytes: int
+    fits: bool
+    trace: dict
+    notes: list = field(default_factory=list)
+
+    @property
+    def comm_by_axis(self) -> dict:
+        """Bytes per step per mesh axis of the binding rank."""
+        return by_axis(self.comm)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "config": self.config, "hardware": self.hardware, "dtype": self.dtype,
+            "layout": self.layout.to_dict(), "batch": dict(self.batch), "params": dict(self.params),
+            "per_rank": dict(self.per_rank), "ranks": [dict(r) for r in self.ranks],
+            "comm": [dict(r) for r in self.comm], "comm_by_axis": self.comm_by_axis, "time": dict(self.time),
+            "memory_capacity_bytes": self.capacity_bytes, "fits": self.fits,
+            "headroom_bytes": self.capacity_bytes - self.per_rank["peak_bytes"],
+            "trace": dict(self.trace), "notes": list(self.notes),
+        }
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def intra_node(layout: Layout, hw: Hardware) -> dict[str, bool]:
+    """Per axis: does its group stay inside a node (axes placed innermost first)?"""
+    out, inner = {}, 1
+    for a in PLACEMENT_ORDER:
+        inner *= getattr(layout, a)
+        out[a] = inner <= hw.gpus_per_node
+    return out
+
+
+def collective_seconds(hw: Hardware, layout: Layout, intra: dict, op: str, axis: str, nbytes: float, count: float) -> float:
+    if count <= 0:
+        return 0.0
+    size = getattr(layout, axis)
+    if op == "p2p":
+        bw, alpha = hw.link(intra["pp"])
+        return count * (nbytes / count / bw + alpha)
+    return count * hw.collective_time(op, nbytes / count, size, intra[axis])
+
+
+
+def _stage_mb(prof: Profile, share: RankShare) -> tuple[int, Comm]:
+    """Saved activation bytes and collectives of one microbatch through one stage."""
+    saved, comm = (prof.base if share.last else (0, {}))
+    if prof.full:
+        return saved, comm
+    for key, n in share.counts.items():
+        s, c = prof.per_layer[key]
+        saved += n * s
+        comm = comm_add(comm, c, n)
+    return saved, comm_round(comm)
+
+
+def _step_comm(prof: Profile, share: RankShare, leaves: Sequence[Leaf], tied: bool) -> Comm:
+    """Per-step collectives of a rank: its parameters' gradient reductions and the shared rest."""
+    comm = dict(prof.shared_comm)
+    for leaf in leaves:
+        c = prof.leaf_comm.get(leaf.path)
+        if not c:
+            continue
+        n = leaf_on_rank(leaf, share, tied)
+        if leaf.stack is not None:
+            traced = prof.traced_layers.get(leaf.stack, 1)
+            c = {k: (b * n // traced, cnt if n else 0) for k, (b, cnt) in c.items()}
+        elif not n:
+            continue
+        comm = comm_add(comm, c)
+    return comm_round(comm)
+
+
+
+def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "h200",
+              dtype: torch.dtype = torch.float32, checkpointing: bool | None = None, gpus: int | None = None,
+              full_trace: bool | None = None, profiles: dict | None = None) -> Plan:
+    """Plan ``cfg`` under ``layout`` (default: the config's own mesh and pipeline) on ``hardware``.
+
+    Args:
+        cfg: a run config (``shardfn.config.load_config``).
+        layout: the layout to plan; default ``Layout.from_config(cfg)``.
+        hardware: a profile name (``"h200"``) or ``Hardware``.
+        dtype: parameter and compute dtype (the train step runs in the parameters' dtype).
+        checkpointing: activation checkpointing on/off (overrides ``layout.checkpointing``).
+        gpus: if given, the layout's world size must equal it.
+        full_trace: trace the whole model (True), reduced and scaled (False), or by size (None).
+        profiles: a cache of traced profiles shared between plans (``None``: no cache).
+
+    Raises:
+        PlanError: the layout cannot run; ``key`` names the config key (``mesh.ep``).
+
+    Example:
+        plan = make_plan(load_config("kimi_k2_1t"), hardware="h200")
+        plan.per_rank["peak_bytes"] / 2**30, plan.fits
+    """
+    from shardfn import models
+
+    layout = layout or Layout.from_config(cfg)
+    if checkpointing is not None:
+        layout = dataclasses.replace(layout, checkpointing=checkpointing)
+    check_layout(cfg, layout, gpus=gpus)
+    hw = load_hardware(hardware)
+    model, mcfg = models.get(cfg.model_name), cfg.model
+    tied = mcfg.tie_embeddings
+    leaves = mesh_leaves(model, mcfg, layout.axes(), cfg.rules, dtype)
+    facts = model_facts(model, mcfg, leaves)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
+    tokens_mb = rows * cfg.train.seq_len                    # tokens of one microbatch on one rank
+    input_bytes = tokens_mb * mcfg.dim * itemsize           # one [mb, seq, dim] activation
+    ep_bytes = tokens_mb * facts.top_k * mcfg.dim * itemsize  # one exchange's buffer
+
+    if full_trace is None:
+        full_trace = layout.pp == 1 and mcfg.n_layers <= FULL_TRACE_MAX_LAYERS
+    if full_trace and layout.pp > 1:
+        raise PlanError("mesh.pp", "a whole-model trace has no stages; plan pp > 1 with full_trace=False")
+    prof = profile(cfg, layout.axes(include_pp=False), rows, dtype=dtype, full=full_trace, cache=profiles)
+    stages = stage_shares(model, mcfg, layout)
+    stage_saved, stage_comm = zip(*[_stage_mb(prof, s) for s in stages])
+    n_layers = [sum(s.counts.values()) for s in stages]
+    if prof.full:  # the base holds every layer; checkpointing keeps each layer's input only
+        layer_saved = {k: prof.base[0] // mcfg.n_layers for k, _ in model.stacks(mcfg)}
+        ckpt_saved = [n * input_bytes for n in n_layers]
+    else:
+        layer_saved = {k: s for k, (s, _) in prof.per_layer.items()}
+        ckpt_saved = [n * input_bytes + (prof.base[0] if s.last else 0) for n, s in zip(n_layers, stages)]
+    held, held_mb, sends = inflight(layout, ckpt_saved if layout.checkpointing else list(stage_saved))
+
+    memory = memory_bytes(cfg, layout, dtype=dtype)
+    ranks, rank_comm = [], []
+    for r, (share, owned) in enumerate(zip(rank_shares(model, mcfg, layout), rank_stages(layout))):
+        mb_comm = {}
+        for s in owned:
+            mb_comm = comm_add(mb_comm, stage_comm[s])
+        step_comm = _step_comm(prof, share, leaves, tied)
+        rows_out = _comm_rows(mb_comm, layout.microbatches, step_comm)
+        rows_out += _estimated_rows(layout, share, ep_bytes, input_bytes, sends[r])
+        transient = _transient(leaves, share, layer_saved, layout, tied)
+        mem = memory[r]
+        ranks.append({
+            "pp_rank": r, "stages": list(owned), "layers": [list(x) for x in share.layer_ranges],
+            "layer_counts": dict(share.counts),
+            "params_bytes": mem["params"], "grads_bytes": mem["grads"], "opt_state_bytes": mem["opt_state"],
+            "activation_bytes_per_microbatch": sum(stage_saved[s] for s in owned),
+            "activation_bytes_per_microbatch_checkpointed": sum(ckpt_saved[s] for s in owned),
+            "inflight_microbatches": held_mb[r], "activation_bytes": held[r], "transient_bytes": transient,
+            "peak_bytes": mem["params"] + mem["grads"] + mem["opt_state"] + held[r] + transient,
+            "comm_bytes": by_axis(rows_out),
+        })
+        rank_comm.append((rows_out, step_comm))
+
+    hw_time = step_time(cfg, layout, hw, facts, stages, stage_comm, [c for _, c in rank_comm], tokens_mb,
+                         ep_bytes, input_bytes, dtype)
+    b = max(range(len(ranks)), key=lambda i: ranks[i]["peak_bytes"])
+    per_rank = {k: v for k, v in ranks[b].items() if k != "comm_bytes"}
+    capacity = int(cfg.partition.memory_budget or hw.hbm_bytes)
+    counts = model.param_counts(mcfg)
+    notes = []
+    if layout.ep > 1 and any(s.counts.get("moe_layers") for s in stages):
+        notes.append("all_to_all over ep is estimated for uniform routing; the runtime records the real bytes")
+    if not prof.full:
+        notes.append("embedding, final norm, output head and loss are charged to the last stage")
+    if layout.pp > 1 and any(getattr(layout, a) > 1 for a in ("fsdp", "tp")):
+        notes.append("planned only: the pipeline executor composes mesh.pp with mesh.dp and mesh.ep so far")
+    return Plan(
+        model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(dtype), layout=layout,
+        batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
+               "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len, "microbatch_rows": rows,
+               "tokens_per_microbatch_per_rank": tokens_mb},
+        params={"total": int(counts["total"]), "active": int(counts["active"])},
+        per_rank=per_rank, ranks=ranks, comm=rank_comm[b][0], time=hw_time, capacity_bytes=capacity,
+        fits=per_rank["peak_bytes"] <= capacity,
+        trace={"mode": "full" if prof.full else "scaled", "mesh": dict(prof.axes), "rows": prof.rows,
+               "lowered": [dict(t) for t in prof.traces], "seconds": round(prof.seconds, 3)},
+        notes=notes,
+    )
+
+
+def by_axis(rows: Iterable[dict]) -> dict:
+    out: dict = {}
+    for row in rows:
+        out[row["axis"]] = out.get(row["axis"], 0) + row["bytes"]
+    return out
+
+
+def _comm_rows(mb_comm: Comm, microbatches: int, step_comm: Comm) -> list[dict]:
+    """Traced collectives per step: the per-microbatch ones ``microbatches`` times, then the rest."""
+    total = comm_add(step_comm, mb_comm, microbatches)
+    order = {op: i for i, op in enumerate(COMM_OPS)}
+    rows = [{"op": op, "axis": axis, "bytes": int(b), "count": int(c), "source": "trace"}
+            for (op, axis), (b, c) in total.items() if c]
+    return sorted(rows, key=lambda r: (order.get(r["op"], 99), MESH_AXES.index(r["axis"])))
+
+
+def _estimated_rows(layout: Layout, share: RankShare, ep_bytes: int, input_bytes: int, sends: dict) -> list[dict]:
+    """The expert-parallel all-to-alls (uniform routing) and the P2P sends of one rank, per step."""
+    out, m = [], layout.microbatches
+    n_moe = share.counts.get("moe_layers", 0)
+    if layout.ep > 1 and n_moe:
+        off_rank = ep_bytes * (layout.ep - 1) // layout.ep
+        out.append({"op": "all_to_all", "axis": "ep", "bytes": 4 * n_moe * m * off_rank, "count": 4 * n_moe * m,
+                    "source": "estimate"})
+    n = sum(sends.values())
+    if n:
+        out.append({"op": "p2p", "axis": "pp", "bytes": n * input_bytes, "count": n, "source": "schedule"})
+    return out
+
+
+def _transient(leaves: Sequence[Leaf], share: RankShare, layer_saved: dict, layout: Layout, tied: bool) -> int:
+    """One layer's working set on top of what is held: its activations (recomputed, or their
+    gradients during its backward) and, under fsdp, its parameters gathered for use."""
+    gathered: dict = {}
+    for leaf in leaves:
+        if layout.fsdp == 1 or "fsdp" not in leaf.spec.axes() or not leaf_on_rank(leaf, share, tied):
+            continue
+        key = leaf.stack or leaf.path
+        gathered[key] = gathered.get(key, 0) + leaf.local_bytes(1 if leaf.stack else None) * layout.fsdp
+    layers = [layer_saved.get(k, 0) + gathered.get(k, 0) for k, n in share.counts.items() if n]
+    others = [v for k, v in gathered.items() if k not in share.counts]
+    return max([0, *layers, *others])
+
+
+def step_time(cfg, layout: Layout, hw: Hardware, facts: ModelFacts, stages, stage_comm, step_comms, tokens_mb,
+               ep_bytes, input_bytes, dtype, *, p2p: bool = True) -> dict:
+    """Seconds per step: the schedule's makespan over per-stage microbatch times, then the
+    per-step collectives of the slowest rank (see the module docstring). ``p2p=False`` leaves
+    the P2P delay out (a lower bound)."""
+    seq, m = cfg.train.seq_len, layout.microbatches
+    intra = intra_node(layout, hw)
+    peak = hw.peak_flops(dtype)
+    recompute = 8.0 / 6.0 if layout.checkpointing else 1.0
+
+    def seconds(comm: Comm) -> float:
+        return sum(collective_seconds(hw, layout, intra, op, axis, b, c) for (op, axis), (b, c) in comm.items())
+
+    compute, comm = [], []
+    for share, c in zip(stages, stage_comm):
+        params = sum(n * facts.layer_active[k] for k, n in share.counts.items())
+        params += facts.embed * share.first + facts.head * share.last
+        attn = sum(share.counts.values()) * facts.attn_per_token_layer * seq
+        compute.append((6.0 * params + attn) * tokens_mb / layout.tp * recompute / peak)
+        a2a = 4 * share.counts.get("moe_layers", 0) * hw.collective_time("all_to_all", ep_bytes, layout.ep, intra["ep"])
+        comm.append(seconds(c) + a2a)
+    per_mb = max(x + y for x, y in zip(compute, comm))       # the slowest stage sets the pace
+    costs = {"F": 1.0, "B": 3.0 if layout.checkpointing else 2.0, "I": 2.0 if layout.checkpointing else 1.0, "W": 1.0}
+    unit = per_mb / (costs["F"] + costs["B"])
+    p2p_s = collective_seconds(hw, layout, intra, "p2p", "pp", input_bytes, 1) if layout.pp > 1 and p2p else 0.0
+    makespan, bubble = makespan_units(layout, costs, p2p_s / unit if unit else 0.0)
+    pipeline_s = makespan * unit
+    step_comm_s = max(seconds(c) for c in step_comms)
+    step_s = pipeline_s + step_comm_s
+    tokens = cfg.train.batch_size * seq
+    layers = sum(facts.stacks.values())
+    active = sum(n * facts.layer_active[k] for k, n in facts.stacks.items()) + facts.embed + facts.head
+    model_flops = (6.0 * active + layers * facts.attn_per_token_layer * seq) * tokens
+    per_rank_stages = layout.stages_per_rank
+    return {
+        "compute_s": m * per_rank_stages * max(compute), "microbatch_comm_s": m * per_rank_stages * max(comm),
+        "pipeline_s": pipeline_s, "bubble": bubble, "p2p_s": p2p_s, "step_comm_s": step_comm_s, "step_s": step_s,
+        "tokens_per_s": tokens / step_s if step_s else None, "model_flops_per_step": model_flops,
+        "peak_flops": peak, "mfu": model_flops / (step_s * layout.world_size * peak) if step_s else None,
+        "intra_node": intra,
+    }

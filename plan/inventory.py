@@ -1,0 +1,229 @@
+"""What each rank of a layout holds: every parameter's spec and local shape, a pipeline rank's
+layers, and exact parameter, gradient and optimizer-state bytes per rank.
+
+    leaves = mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, torch.bfloat16)
+    memory_bytes(cfg, layout)[0]      # {"params": ..., "grads": ..., "opt_state": ...} of pp rank 0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import optree
+import torch
+
+from shardfn.core.pytree import flatten_with_paths
+from shardfn.partition.layouts import param_specs, resolve_rules
+from shardfn.partition.spec import P, shard_shape
+from shardfn.plan.layout import Layout, rank_stages
+from shardfn.runtime.train_step import make_optimizer
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One parameter on one rank of a mesh: its shape, spec and local shape."""
+
+    path: str                # "moe_layers.experts.w1"
+    shape: tuple[int, ...]   # global
+    spec: P
+    local: tuple[int, ...]   # per rank (the stacked dim whole)
+    itemsize: int
+    stack: str | None        # "moe_layers" for a stacked leaf (``model.stacks``)
+    axes: tuple = ()         # logical axes (``model.param_axes``)
+    active: float = 1.0      # the share one token uses (``model.active_fraction``: top_k of the experts)
+
+    def local_bytes(self, n_layers: int | None = None) -> int:
+        """Bytes on one rank; for a stacked leaf, of ``n_layers`` of its layers."""
+        dims = list(self.local)
+        if self.stack is not None:
+            dims[0] = n_layers if n_layers is not None else dims[0]
+        return math.prod(dims) * self.itemsize
+
+
+def meta_params(model, model_cfg, dtype: torch.dtype):
+    """The model's parameter tree on the meta device: shapes and dtypes, nothing allocated."""
+    return model.init(model_cfg, 0, device="meta", dtype=dtype)
+
+
+def mesh_leaves(model, model_cfg, axes: Mapping[str, int], rules: dict | None, dtype: torch.dtype) -> list[Leaf]:
+    """Every parameter with its spec and local shape on a mesh of ``axes`` (nothing allocated).
+
+    Example:
+        [leaf.local for leaf in meshmesh_leaves(llama, cfg, {"tp": 2}, None, torch.float32)][:2]
+    """
+    sizes = {a: s for a, s in axes.items() if a != "pp"}
+    specs = param_specs(model.param_axes(model_cfg), resolve_rules(rules, sizes), sizes)
+    params = meta_params(model, model_cfg, dtype)
+    stacks = dict(model.stacks(model_cfg))
+    fraction = model.active_fraction(model_cfg)
+    axes_tree = model.param_axes(model_cfg)
+    axes_leaves = optree.tree_leaves(axes_tree, is_leaf=lambda a: isinstance(a, tuple), none_is_leaf=False)
+    spec_leaves = optree.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P), none_is_leaf=False)
+    out = []
+    for (path, x), spec, logical in zip(flatten_with_paths(params), spec_leaves, axes_leaves):
+        stack = path.split(".")[0] if path.split(".")[0] in stacks else None
+        active = math.prod(fraction.get(a, 1.0) for a in logical)
+        out.append(Leaf(path, tuple(x.shape), spec, tuple(shard_shape(x.shape, spec, sizes)), x.element_size(),
+                        stack, tuple(logical), active))
+    return out
+
+
+def stage_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges of ``n_stages`` stages, as even as possible
+    (the first ``n_layers % n_stages`` stages get one layer more).
+
+    Example:
+        stage_layers(61, 16)[:2], stage_layers(61, 16)[-1]   # [(0, 4), (4, 8)], (58, 61)
+    """
+    if not 1 <= n_stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        end = start + base + (1 if s < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one pipeline rank holds: layers per stack, and the non-layer parameters."""
+
+    counts: dict              # stack -> layers on this rank
+    first: bool               # holds the embedding
+    last: bool                # holds the final norm, output head and loss
+    layer_ranges: tuple       # ((start, end), ...) of its stages
+
+
+def rank_shares(model, model_cfg, layout: Layout) -> list[RankShare]:
+    """What each pipeline rank holds (layers per stack; embedding; head), from the stage split."""
+    stacks = model.stacks(model_cfg)
+    ranges = stage_layers(model_cfg.n_layers, layout.n_stages)
+    n_stages = layout.n_stages
+    bounds, start = {}, 0
+    for key, n in stacks:
+        bounds[key] = (start, start + n)
+        start += n
+    shares = []
+    for stages in rank_stages(layout):
+        counts = {key: 0 for key, _ in stacks}
+        for s in stages:
+            lo, hi = ranges[s]
+            for key, (a, b) in bounds.items():
+                counts[key] += max(0, min(hi, b) - max(lo, a))
+        shares.append(RankShare(counts, 0 in stages, n_stages - 1 in stages, tuple(ranges[s] for s in stages)))
+    return shares
+
+
+def leaf_on_rank(leaf: Leaf, share: RankShare, tied: bool) -> int:
+    """Layers of a stacked leaf on this rank; for a non-layer leaf, 1 if the rank holds it."""
+    if leaf.stack is not None:
+        return share.counts.get(leaf.stack, 0)
+    if leaf.path.split(".")[0] == "embed":
+        return int(share.first or (tied and share.last))
+    return int(share.last)
+
+
+def local_numel(leaf: Leaf, share: RankShare, tied: bool) -> int:
+    """Elements of ``leaf`` on one rank of this pipeline rank's share."""
+    n = leaf_on_rank(leaf, share, tied)
+    per = math.prod(leaf.local[1:]) if leaf.stack is not None else math.prod(leaf.local)
+    return per * n
+
+
+def state_bytes(state: Any, params: Any, local_bytes: Callable[[str, int], int]) -> int:
+    """Bytes of an optimizer state on one rank: every subtree shaped like ``params`` is sharded
+    as the parameters (``local_bytes(path, itemsize)``), every other leaf is replicated.
+
+    Example:
+        state_bytes(opt.init(meta_params), meta_params, lambda path, size: numel[path] * size)
+    """
+    params_def = optree.tree_structure(params, none_is_leaf=False)
+    like_params = lambda x: optree.tree_structure(x, none_is_leaf=False) == params_def  # noqa: E731
+    paths = [p for p, _ in flatten_with_paths(params)]
+    total = 0
+    for sub in optree.tree_leaves(state, is_leaf=like_params, none_is_leaf=False):
+        if like_params(sub):
+            total += sum(local_bytes(p, x.element_size()) for p, x in zip(paths, optree.tree_leaves(sub)))
+        else:
+            total += sub.numel() * sub.element_size()
+    return total
+
+
+def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> list[dict]:
+    """Exact ``{"params", "grads", "opt_state"}`` bytes on each pipeline rank, for the full model.
+
+    Nothing is allocated: shapes from ``model.init(..., device="meta")``, specs from the rules,
+    and the optimizer state from ``make_optimizer(cfg.train, model).init`` on the meta parameters.
+
+    Example:
+        memory_bytes(cfg, Layout(ep=64, dp=16))[0]["params"]
+    """
+    from shardfn import models
+
+    model = models.get(cfg.model_name)
+    leaves = mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, dtype)
+    by_path = {leaf.path: leaf for leaf in leaves}
+    tied = cfg.model.tie_embeddings
+    params = meta_params(model, cfg.model, dtype)
+    state = make_optimizer(cfg.train, model).init(params)
+    out = []
+    for share in rank_shares(model, cfg.model, layout):
+        p = sum(local_numel(leaf, share, tied) * leaf.itemsize for leaf in leaves)
+        opt = state_bytes(state, params, lambda path, size, s=share: local_numel(by_path[path], s, tied) * size)
+        out.append({"params": p, "grads": p, "opt_state": opt})
+    return out
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Per-layer parameter counts and attention sizes, for the FLOP estimate."""
+
+    stacks: dict            # stack -> layers in the model
+    layer_params: dict      # stack -> params of one layer
+    layer_active: dict      # stack -> params one token uses in one layer
+    embed: int
+    head: int               # final norm and output head
+    attn_per_token_layer: float   # causal attention FLOPs (fwd + bwd) per token per layer / seq
+    dim: int
+    top_k: int              # routed experts per token (the all-to-all's fan-out)
+
+
+def model_facts(model, model_cfg, leaves: Sequence[Leaf]) -> ModelFacts:
+    """What the FLOP estimate needs, from the leaves' shapes and the model's own facts
+    (``model.stacks``, ``model.active_fraction``, ``model.attention_shape``,
+    ``model.experts_per_token``)."""
+    stacks = dict(model.stacks(model_cfg))
+    params, active = {k: 0 for k in stacks}, {k: 0 for k in stacks}
+    embed = head = 0
+    for leaf in leaves:
+        n = math.prod(leaf.shape)
+        if leaf.stack is None:
+            if "vocab" in leaf.axes and leaf.axes[0] == "vocab":
+                embed += n
+            else:
+                head += n
+            continue
+        per_layer = n // leaf.shape[0]
+        params[leaf.stack] += per_layer
+        active[leaf.stack] += int(per_layer * leaf.active)
+    heads, qk, v = model.attention_shape(model_cfg)
+    # forward QK^T and AV: 2 * S * H * (qk + v) per token, halved for the causal mask; x3 with backward
+    attn = 3.0 * heads * (qk + v)
+    return ModelFacts(stacks, params, active, embed, head, attn, model_cfg.dim, model.experts_per_token(model_cfg))
+
+
+def stage_shares(model, model_cfg, layout: Layout) -> list[RankShare]:
+    """One share per stage (not per rank), for per-stage activations and compute."""
+    out, stacks = [], model.stacks(model_cfg)
+    ranges = stage_layers(model_cfg.n_layers, layout.n_stages)
+    for s, (lo, hi) in enumerate(ranges):
+        counts, start = {}, 0
+        for key, n in stacks:
+            counts[key] = max(0, min(hi, start + n) - max(lo, start))
+            start += n
+        out.append(RankShare(counts, s == 0, s == len(ranges) - 1, ((lo, hi),)))
+    return out

@@ -1,0 +1,252 @@
+"""Tracing a representative step: what one microbatch saves and communicates on a layout's mesh.
+
+The run's own train step (``runtime.partitioned.mesh_step``) is lowered with fake tensors on a
+fake mesh of the layout's non-pipeline axes, for a reduced model (one layer of each stack, then
+each stack once more) whose differences are exact per-layer quantities.
+
+    prof = profile(cfg, {"dp": 2, "fsdp": 1, "ep": 1, "tp": 2}, rows=4)
+    prof.per_layer["layers"]      # (saved activation bytes, collectives) of one layer, per microbatch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import optree
+import torch
+
+from shardfn.partition.fx import ancestors, descendants, is_view, nbytes
+from shardfn.partition.layouts import mesh_axes
+from shardfn.partition.report import collectives, peak_temporary_bytes
+
+FULL_TRACE_MAX_LAYERS = 4
+"""Models with at most this many layers are traced whole (no per-layer scaling) when ``pp == 1``."""
+
+Comm = dict
+"""``{(op, axis): (bytes, count)}``: collectives per rank, summed by op and mesh axis."""
+
+
+def comm_add(a: Comm, b: Comm, scale: float = 1) -> Comm:
+    out = dict(a)
+    for key, (size, count) in b.items():
+        b0, c0 = out.get(key, (0, 0))
+        out[key] = (b0 + scale * size, c0 + scale * count)
+    return out
+
+
+def comm_round(c: Comm) -> Comm:
+    return {k: (int(round(b)), int(round(n))) for k, (b, n) in c.items() if round(n) or round(b)}
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What one lowered step measures on one rank, for one microbatch."""
+
+    saved_bytes: int                 # forward values the backward reads
+    mb_comm: Comm                    # collectives of the forward and backward
+    leaf_comm: dict                  # parameter path -> its gradient reduction (per step)
+    shared_comm: Comm                # the other per-step collectives (optimizer, outputs)
+    peak_temporary_bytes: int        # report.peak_temporary_bytes of the whole program
+    nodes: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Per-microbatch quantities of a layout's mesh (``pp`` left out) at one microbatch size,
+    from lowering representative steps: ``base`` (what is not a layer) plus ``per_layer[stack]``
+    per layer of each stack, each ``(saved activation bytes, collectives)``; the gradient
+    reductions per parameter (``leaf_comm``, as traced with ``traced_layers`` layers) and the
+    other per-step collectives (``shared_comm``).
+
+    Example:
+        prof = profile(cfg, {"dp": 16, "fsdp": 1, "ep": 64, "tp": 1}, rows=1)
+        prof.per_layer["moe_layers"][0]      # saved bytes of one MoE layer, per microbatch
+    """
+
+    axes: dict
+    rows: int
+    base: tuple
+    per_layer: dict
+    leaf_comm: dict
+    traced_layers: dict
+    shared_comm: Comm
+    full: bool
+    traces: tuple                      # ({"layers": {...}, "seconds": s, "nodes": n}, ...)
+
+    @property
+    def seconds(self) -> float:
+        return sum(t["seconds"] for t in self.traces)
+
+
+def _representative(cfg, model_cfg, axes: Mapping[str, int], rows: int):
+    """``cfg`` with a reduced model, the mesh ``axes`` (no pp), one microbatch of ``rows`` rows per rank."""
+    data = axes.get("dp", 1) * axes.get("fsdp", 1) * axes.get("ep", 1)
+    mesh = dataclasses.replace(cfg.mesh, pp=1, **{a: axes.get(a, 1) for a in ("dp", "fsdp", "ep", "tp")})
+    train = dataclasses.replace(cfg.train, batch_size=rows * data, compile=False)
+    pipeline = dataclasses.replace(cfg.pipeline, microbatches=1, stages=None)
+    return dataclasses.replace(cfg, model=model_cfg, mesh=mesh, train=train, pipeline=pipeline)
+
+
+def lower_step(cfg, *, dtype: torch.dtype = torch.float32):
+    """The run's train step lowered on a fake mesh of ``cfg.mesh`` (pp left out), with fake
+    parameters, optimizer state and batch: nothing is allocated or run.
+
+    Example:
+        lowered = lower_step(load_config("llama_tiny", ["mesh.dp=2", "mesh.tp=2"]))
+        lowered.comm_report(), lowered.memory_report()
+    """
+    from shardfn import models
+    from shardfn.partition._torch_private import fake_mode
+    from shardfn.partition.layouts import mesh_axes
+    from shardfn.partition.mesh import fake_mesh
+    from shardfn.runtime.partitioned import mesh_step
+    from shardfn.runtime.train_step import make_optimizer
+
+    model = models.get(cfg.model_name)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    with fake_mode():
+        params = model.init(cfg.model, 0, dtype=dtype)
+        optimizer = make_optimizer(cfg.train, model)
+        state = optimizer.init(params)
+        batch = {"inputs": torch.zeros(b, s, dtype=torch.long), "targets": torch.zeros(b, s, dtype=torch.long)}
+    mesh = fake_mesh(mesh_axes(cfg.mesh.axes(), include_pp=False))
+    step = mesh_step(cfg, model, optimizer, params, mesh, backend=None)
+    return step.jitted.lower(params, state, batch)
+
+
+def _output_index(traced, path: tuple) -> int:
+    tree = optree.tree_unflatten(traced.out_treedef, list(range(len(traced.out_meta))))
+    paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)
+    for p, leaf in zip(paths, leaves):
+        if tuple(p) == path:
+            return leaf
+    raise KeyError(f"the train step returns no output at {path}")
+
+
+def saved_bytes(gm: torch.fx.GraphModule, loss: torch.fx.Node) -> int:
+    """Bytes of the forward values the backward reads: values ``loss`` depends on that a node
+    outside the forward also uses (views count as their base; inputs are not counted).
+
+    Example:
+        saved_bytes(lowered.graph_module, loss_node)
+    """
+    forward = ancestors([loss])
+    bases = set()
+    for n in forward:
+        if n.op != "call_function" or all(u in forward for u in n.users):
+            continue
+        base = n
+        while is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
+            base = base.args[0]
+        if base.op == "call_function":
+            bases.add(base)
+    return sum(nbytes(b.meta.get("val")) for b in bases)
+
+
+def _gradient_reductions(global_gm: torch.fx.GraphModule) -> tuple[list, set]:
+    """The constraints on the gradients (constrain nodes with no constraint after them) and
+    the names of every node from them on (the per-step part of the program)."""
+    constrain = torch.ops.shardfn.constrain.default
+    nodes = list(global_gm.graph.nodes)
+    later: dict = {}
+    for n in reversed(nodes):
+        later[n] = any(u.target is constrain or later[u] for u in n.users)
+    sinks = [n for n in nodes if n.op == "call_function" and n.target is constrain and not later[n]]
+    return sinks, {n.name for n in descendants(sinks)}
+
+
+def measure(lowered) -> Measure:
+    """Saved activation bytes and collectives of a lowered train step, split into the
+    per-microbatch part (forward and backward), the gradient reduction of each parameter and
+    the rest of the per-step part.
+
+    Example:
+        m = measure(lower_step(cfg)); m.saved_bytes, m.mb_comm
+    """
+    gm, traced = lowered.graph_module, lowered.traced
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    loss = outputs[_output_index(traced, (2, "loss"))]
+    sinks, step_nodes = _gradient_reductions(traced.graph_module)
+    params = [(p.partition(".")[2], m) for p, m in zip(traced.in_paths, traced.in_meta) if p.startswith("0.")]
+    leaf_of = _match_leaves(sinks, params)
+    mb, shared, leaf = {}, {}, {}
+    for row in collectives(gm, lowered.mesh):
+        one = {(row["op"], row["axis"]): (row["bytes"], 1)}
+        if row["node"] in leaf_of:
+            path = leaf_of[row["node"]]
+            leaf[path] = comm_add(leaf.get(path, {}), one)
+        elif row["node"] in step_nodes or row["node"] == "output":
+            shared = comm_add(shared, one)
+        else:
+            mb = comm_add(mb, one)
+    return Measure(saved_bytes(gm, loss), mb, leaf, shared, peak_temporary_bytes(gm), len(gm.graph.nodes))
+
+
+def _match_leaves(sinks: list, params: list) -> dict:
+    """Gradient-constraint node name -> parameter path: in order, when shapes agree."""
+    if len(sinks) != len(params):
+        return {}
+    out = {}
+    for node, (path, meta) in zip(sinks, params):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or tuple(val.shape) != tuple(meta.shape):
+            return {}
+        out[node.name] = path
+    return out
+
+
+def _trace(cfg, counts: Mapping[str, int], axes, rows, dtype) -> tuple[Measure, dict]:
+    from shardfn import models
+
+    rep = _representative(cfg, models.get(cfg.model_name).with_layers(cfg.model, counts), axes, rows)
+    tic = time.perf_counter()
+    m = measure(lower_step(rep, dtype=dtype))
+    return m, {"layers": dict(counts), "seconds": round(time.perf_counter() - tic, 3), "nodes": m.nodes}
+
+
+def profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = torch.float32,
+            full: bool | None = None, cache: dict | None = None) -> Profile:
+    """The per-microbatch :class:`Profile` of ``cfg``'s model on a mesh of ``axes`` at ``rows``
+    rows per rank and microbatch. ``cache`` (a dict the caller owns, e.g. one per search) keeps
+    profiles per model, rules, axes, rows, dtype and sequence.
+
+    ``full=None`` traces the whole model when it has at most :data:`FULL_TRACE_MAX_LAYERS`
+    layers; otherwise one layer per stack, then each stack once more, and the differences.
+
+    Example:
+        prof = profile(cfg, {"dp": 2, "fsdp": 1, "ep": 1, "tp": 2}, rows=4)
+    """
+    from shardfn import models
+
+    axes = mesh_axes(axes, include_pp=False)
+    stacks = models.get(cfg.model_name).stacks(cfg.model)
+    if full is None:
+        full = cfg.model.n_layers <= FULL_TRACE_MAX_LAYERS
+    key = (repr(cfg.model), repr(sorted((k, repr(v)) for k, v in cfg.rules.items())), tuple(axes.items()), rows,
+           str(dtype), cfg.train.seq_len, repr(cfg.train), full)
+    if cache is not None and key in cache:
+        return cache[key]
+    if full:
+        counts = dict(stacks)
+        m, info = _trace(cfg, counts, axes, rows, dtype)
+        prof = Profile(axes, rows, (m.saved_bytes, m.mb_comm), {}, m.leaf_comm, counts, m.shared_comm, True, (info,))
+    else:
+        base_counts = {k: 1 for k, _ in stacks}
+        base, info = _trace(cfg, base_counts, axes, rows, dtype)
+        infos, per_layer = [info], {}
+        for k, _ in stacks:
+            more, info = _trace(cfg, {**base_counts, k: 2}, axes, rows, dtype)
+            infos.append(info)
+            per_layer[k] = (more.saved_bytes - base.saved_bytes, comm_round(comm_add(more.mb_comm, base.mb_comm, -1)))
+        const_saved = base.saved_bytes - sum(s for s, _ in per_layer.values())
+        const_comm = base.mb_comm
+        for _, c in per_layer.values():
+            const_comm = comm_add(const_comm, c, -1)
+        prof = Profile(axes, rows, (const_saved, comm_round(const_comm)), per_layer, base.leaf_comm, base_counts,
+                       base.shared_comm, False, tuple(infos))
+    if cache is not None:
+        cache[key] = prof
+    return prof

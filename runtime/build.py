@@ -1,0 +1,57 @@
+"""``build_step``: the one function that makes a run config's :class:`~shardfn.runtime.step.Step`,
+whatever its layout.
+
+- one device: the pure step of ``runtime.train_step`` (``torch.compile``'d with ``train.compile``);
+- a mesh of more than one device: that step partitioned by ``sf.jit`` (``runtime.partitioned``);
+- ``mesh.pp > 1``: this rank's pipeline stages run by a schedule (``runtime.pipeline_step``).
+
+    step = build_step(cfg, model, params)
+    params, opt_state = step.place(params)
+    params, opt_state, metrics = step(params, opt_state, batch)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardfn.core.pytree import PyTree
+from shardfn.runtime.step import Step, identity_state
+from shardfn.runtime.train_step import make_optimizer, make_train_step
+
+
+def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
+    """The step of the run config ``cfg`` for ``model`` on this rank.
+
+    Args:
+        cfg: a run config (``shardfn.config.RunConfig``).
+        model: its model module (``models.get(cfg.model_name)``).
+        params: a parameter tree (real or fake tensors) giving shapes and dtypes.
+        record: pipelines: time every action, for ``step.write_trace``.
+
+    Example:
+        step = build_step(cfg, llama, params)
+    """
+    if cfg.mesh.pp > 1:
+        from shardfn.runtime.pipeline_step import pipeline_step
+
+        return pipeline_step(cfg, model, params, record=record)
+    optimizer = make_optimizer(cfg.train, model)
+    if cfg.mesh.world_size > 1:
+        from shardfn.runtime.partitioned import mesh_from_config, mesh_step
+
+        return mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))
+    return device_step(cfg, model, optimizer)
+
+
+def device_step(cfg, model, optimizer) -> Step:
+    """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors, ``torch.compile``'d when
+    ``train.compile`` is set.
+
+    Example:
+        step = device_step(cfg, llama, make_optimizer(cfg.train, llama))
+    """
+    fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip")
+    if cfg.train.compile:
+        fn = torch.compile(fn)
+    return Step("device", fn, optimizer, lambda params: (params, optimizer.init(params)), identity_state,
+                identity_state, lambda params: params)
