@@ -32,10 +32,10 @@ from typing import Any, Iterable, Union
 
 import yaml
 
+from shardfn.core.units import parse_bytes
 from shardfn.partition.layouts import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, check_batch, data_size
 from shardfn.partition.schedules import SCHEDULES, canonical_name
 from shardfn.partition.spec import entry_axes
-from shardfn.core.units import parse_bytes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "examples" / "configs"
 """The packaged example configs (``shardfn/examples/configs``)."""
@@ -432,8 +432,10 @@ def _build(cls: type, section: dict, prefix: str):
             if value is None:
                 value = {}
             if not isinstance(value, dict):
-                raise ValueError(f"{dotted} is a section (keys: {', '.join(f.name for f in dataclasses.fields(hint))}), "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"{dotted} is a section (keys: {', '.join(f.name for f in dataclasses.fields(hint))}), "
+                    f"got {value!r}"
+                )
             kwargs[key] = _build(hint, value, dotted)
         else:
             kwargs[key] = _coerce(value, hint, dotted)

@@ -30,6 +30,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import fake_train_step  # noqa: E402  (tests/fixtures.py)
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_autoshard.json"
 
 CASES = {
@@ -59,25 +62,9 @@ class Timer:
 
 
 def train_step_args(config: str, overrides: list[str], mesh):
-    """``(train_step, (params, opt_state, batch), param_axes)`` of a packaged config, with fake
-    tensors (no storage), MoE experts in per-rank regions as the runtime runs them."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from shardfn.config import load_config
-    from shardfn.runtime.partitioned import expert_region, layout
-    from shardfn.runtime.train_step import make_optimizer, make_train_step
-
-    cfg = load_config(config, overrides)
-    model = sys.modules[type(cfg.model).__module__]
-    with FakeTensorMode():
-        params = model.init(cfg.model, 0, dtype=torch.bfloat16)
-        opt = make_optimizer(cfg.train, model)
-        opt_state = opt.init(params)
-        shape = (cfg.train.batch_size, cfg.train.seq_len)
-        batch = {"inputs": torch.zeros(shape, dtype=torch.long), "targets": torch.zeros(shape, dtype=torch.long)}
-    experts = expert_region(model, cfg.model, mesh, layout(cfg, model, params, opt_state, mesh))
-    step = make_train_step(model, cfg.model, opt, experts=experts)
-    return step, (params, opt_state, batch), model.param_axes(cfg.model)
+    """``(train_step, (params, opt_state, batch), param_axes)`` of a packaged config, on fake tensors
+    (tests/fixtures.py)."""
+    return fake_train_step(config, overrides, mesh)
 
 
 def run_case(name: str, case: dict, *, hardware: str, time_limit_s: float) -> dict:

@@ -37,13 +37,13 @@ from pathlib import Path
 
 import torch
 
-from shardfn import models
-from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
 from shardfn.runtime import checkpoint as ck
-from shardfn.runtime import data
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.train_step import make_optimizer, make_train_step
+from shardfn.runtime.train_step import make_optimizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import trained_state  # noqa: E402  (tests/fixtures.py)
 
 CONFIG = "moe_tiny"
 SMALL = ["train.batch_size=4", "train.seq_len=16", "train.warmup_steps=2"]
@@ -57,15 +57,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_checkpoint.js
 
 def training_state(overrides=()):
     """``(cfg, model, params, opt_state)`` of moe_tiny after one optimizer step."""
-    cfg = load_config(CONFIG, [*SMALL, *overrides])
-    model = models.get(cfg.model_name)
-    params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train, model)
-    state = opt.init(params)
-    step = make_train_step(model, cfg.model, opt)
-    tokens = data.from_config(cfg.data)
-    params, state, _ = step(params, state, data.get_batch(tokens, 0, batch_size=4, seq_len=16))
-    return cfg, model, params, state
+    return trained_state(CONFIG, [*SMALL, *overrides], steps=1)
 
 
 def state_bytes(params, opt_state) -> int:

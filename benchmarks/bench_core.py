@@ -34,8 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shardfn import models
-from shardfn.core import optim
 from shardfn.config import load_config
+from shardfn.core import optim
 from shardfn.core.pytree import tree_leaves
 from shardfn.runtime import data
 from shardfn.runtime.train_step import make_optimizer, make_train_step
@@ -120,7 +120,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens):
         s, hd = tokens.shape[1], self.cfg.head_dim
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=tokens.device, dtype=torch.float32) / hd))
+        inv_freq = 1.0 / (
+            self.cfg.rope_theta ** (torch.arange(0, hd, 2, device=tokens.device, dtype=torch.float32) / hd)
+        )
         angles = torch.outer(torch.arange(s, device=tokens.device, dtype=torch.float32), inv_freq)
         angles = torch.cat([angles, angles], dim=-1)  # [S, hd]
         cos, sin = angles.cos(), angles.sin()

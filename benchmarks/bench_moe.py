@@ -14,23 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-def _median(fn, n, warmup=2):
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import median_seconds  # noqa: E402  (tests/fixtures.py)
 
 
 def _layout_worker(overrides, steps):
@@ -52,7 +43,7 @@ def _layout_worker(overrides, steps):
     def run():
         state["p"], state["s"], state["m"] = step(state["p"], state["s"], batch)
 
-    seconds = _median(run, steps)
+    seconds = median_seconds(run, steps)
     a2a = [r for r in step.jitted.lower(state["p"], state["s"], batch).comm_report() if r["op"] == "all_to_all"]
     return {"step_s": seconds, "a2a_bytes": sum(r["bytes"] for r in a2a),
             "metrics": {k: float(v) for k, v in state["m"].items()}}
@@ -80,7 +71,7 @@ def grouped_vs_loop(n_experts=8, tokens=4096, dim=256, ffn=512, steps=10) -> dic
             start += n
         torch.cat(outs).sum().backward()
 
-    t_g, t_l = _median(grouped, steps), _median(loop, steps)
+    t_g, t_l = median_seconds(grouped, steps), median_seconds(loop, steps)
     return {"grouped_s": t_g, "loop_s": t_l, "speedup": t_l / t_g}
 
 
@@ -101,7 +92,8 @@ def main():
               f"-> {ep['step_s'] / rep['step_s']:.2f}x; all-to-all {ep['a2a_bytes']:,} B/step on rank 0; load {load}")
     result["grouped_gemm"] = grouped_vs_loop()
     r = result["grouped_gemm"]
-    print(f"grouped GEMM {r['grouped_s']*1e3:.1f} ms vs per-expert loop {r['loop_s']*1e3:.1f} ms -> {r['speedup']:.2f}x faster")
+    print(f"grouped GEMM {r['grouped_s']*1e3:.1f} ms vs per-expert loop {r['loop_s']*1e3:.1f} ms -> "
+          f"{r['speedup']:.2f}x faster")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

@@ -15,25 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import median_seconds  # noqa: E402  (tests/fixtures.py)
+
 D, H, L, B, S = 128, 512, 4, 8, 64  # blocks for (b): hidden, ffn, layers, batch, seq
 
 
-def _median_step(fn, n: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- (a) one rank
@@ -46,7 +40,7 @@ def one_rank(steps: int) -> dict:
     from shardfn import models
     from shardfn.config import load_config
     from shardfn.runtime import data
-    from shardfn.runtime.partitioned import partitioned_step
+    from shardfn.runtime.partitioned import mesh_step
     from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config(None, [])
@@ -58,10 +52,10 @@ def one_rank(steps: int) -> dict:
     batch = data.get_batch(tokens, 0, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0)
     plain = torch.compile(make_train_step(model, cfg.model, opt))
     mesh = sf.Mesh({"dp": 1})
-    ours = partitioned_step(cfg, model, opt, params, state, mesh, backend="inductor")
+    ours = mesh_step(cfg, model, opt, params, mesh, backend="inductor")
     out = {
-        "plain_compile_s": _median_step(lambda: plain(params, state, batch), steps),
-        "partitioned_s": _median_step(lambda: ours(params, state, batch), steps),
+        "plain_compile_s": median_seconds(lambda: plain(params, state, batch), steps),
+        "partitioned_s": median_seconds(lambda: ours(params, state, batch), steps),
     }
     out["ratio"] = out["partitioned_s"] / out["plain_compile_s"]
     dist.destroy_process_group()
@@ -130,9 +124,19 @@ def _two_rank_worker(layout: str, steps: int) -> dict:
         return {k: p[k] - lr * g[k] for k in p}, loss
 
     if layout == "tp2":
-        axes, specs, xs, fsdp = {"tp": 2}, {"norm": P(), "w1": P(None, None, "tp"), "w3": P(None, None, "tp"), "w2": P(None, "tp")}, P(), ()
+        axes, specs, xs, fsdp = (
+            {"tp": 2},
+            {"norm": P(), "w1": P(None, None, "tp"), "w3": P(None, None, "tp"), "w2": P(None, "tp")},
+            P(),
+            (),
+        )
     else:
-        axes, specs, xs, fsdp = {"fsdp": 2}, {"norm": P(None, "fsdp"), "w1": P(None, "fsdp"), "w3": P(None, "fsdp"), "w2": P(None, None, "fsdp")}, P("fsdp"), (0,)
+        axes, specs, xs, fsdp = (
+            {"fsdp": 2},
+            {"norm": P(None, "fsdp"), "w1": P(None, "fsdp"), "w3": P(None, "fsdp"), "w2": P(None, None, "fsdp")},
+            P("fsdp"),
+            (0,),
+        )
     mesh = sf.Mesh(axes)
     ours = sf.jit(step, mesh, in_specs=(specs, xs), out_specs=(specs, P()), fsdp_argnums=fsdp, backend="inductor")
     state = {"p": p}
@@ -140,7 +144,7 @@ def _two_rank_worker(layout: str, steps: int) -> dict:
     def run_ours():
         state["p"], loss = ours(state["p"], x)
 
-    t_ours = _median_step(run_ours, steps)
+    t_ours = median_seconds(run_ours, steps)
 
     model = Stack(p)
     dmesh = mesh.device_mesh
@@ -164,7 +168,7 @@ def _two_rank_worker(layout: str, steps: int) -> dict:
         model(x_in).backward()
         opt.step()
 
-    t_torch = _median_step(run_torch, steps)
+    t_torch = median_seconds(run_torch, steps)
     return {"shardfn_s": t_ours, "torch_eager_s": t_torch, "ratio": t_ours / t_torch}
 
 
@@ -177,7 +181,7 @@ def lowering_times(layer_counts) -> list[dict]:
     from shardfn import models
     from shardfn.config import load_config
     from shardfn.runtime import data
-    from shardfn.runtime.partitioned import mesh_from_config, partitioned_step
+    from shardfn.runtime.partitioned import mesh_from_config, mesh_step
     from shardfn.runtime.train_step import make_optimizer
 
     rows = []
@@ -189,7 +193,7 @@ def lowering_times(layer_counts) -> list[dict]:
         state = opt.init(params)
         batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=8, seq_len=32, seed=0)
         mesh = mesh_from_config(cfg, fake=True)
-        step = partitioned_step(cfg, model, opt, params, state, mesh, backend=None)
+        step = mesh_step(cfg, model, opt, params, mesh, backend=None)
         t = time.perf_counter()
         lowered = step.jitted.lower(params, state, batch)
         rows.append({"n_layers": n, "lower_s": time.perf_counter() - t,
@@ -212,14 +216,16 @@ def main() -> None:
     for layout in ("tp2", "fsdp2"):
         r = spawn(_two_rank_worker, 2, args=(layout, steps), timeout_s=900)[0]
         result[layout] = r
-        print(f"(b) {layout:<6}  shardfn/torch eager = {r['ratio']:.3f}x  ({r['shardfn_s']*1e3:.1f} ms vs {r['torch_eager_s']*1e3:.1f} ms; target <= 1.0)")
+        print(f"(b) {layout:<6}  shardfn/torch eager = {r['ratio']:.3f}x  ({r['shardfn_s']*1e3:.1f} ms vs "
+              f"{r['torch_eager_s']*1e3:.1f} ms; target <= 1.0)")
     counts = [2, 4, 8] if args.quick else [2, 4, 8, 16, 32]
     rows = lowering_times(counts)
     result["lowering"] = rows
     result["lowering_growth"] = rows[-1]["lower_s"] / rows[0]["lower_s"] / (counts[-1] / counts[0])
     for r in rows:
         print(f"(c) {r['n_layers']:>2} layers: lower {r['lower_s']:.2f} s ({r['nodes']} nodes)")
-    print(f"(c) time growth / layer growth, {counts[0]}->{counts[-1]}: {result['lowering_growth']:.2f} (<= 1: at most linear)")
+    print(f"(c) time growth / layer growth, {counts[0]}->{counts[-1]}: {result['lowering_growth']:.2f} (<= 1: at most "
+          f"linear)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

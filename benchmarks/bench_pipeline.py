@@ -29,42 +29,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import tiny_loss, tiny_params  # noqa: E402  (the tests' model: tests/fixtures.py)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipev")
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_pipeline.json"
-
-
-# ----------------------------------------------------------------------------- the model
-
-
-def rms_norm(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-
-
-def make_loss(vocab: int):
-    def loss(p, batch):
-        h = p["embed"][batch["inputs"]]                                   # [B, S, D]
-        for i in range(p["layers"]["w1"].shape[0]):
-            w = {k: v[i] for k, v in p["layers"].items()}
-            x = rms_norm(h, w["norm"])
-            h = h + (F.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]        # [B, S, D]
-        logits = rms_norm(h, p["norm"]) @ p["head"]                       # [B, S, V]
-        return F.cross_entropy(logits.reshape(-1, vocab), batch["targets"].reshape(-1))
-
-    return loss
-
-
-def make_params(dim: int, mlp: int, vocab: int, layers: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) / s[-2] ** 0.5  # noqa: E731
-    return {
-        "embed": torch.randn(vocab, dim, generator=g),
-        "layers": {"norm": torch.ones(layers, dim), "w1": r(layers, dim, mlp), "w3": r(layers, dim, mlp),
-                   "w2": r(layers, mlp, dim)},
-        "norm": torch.ones(dim),
-        "head": r(dim, vocab),
-    }
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -75,23 +45,27 @@ def _rank(args: dict) -> dict:
 
     import shardfn as sf
     from shardfn.core import optim
-    from shardfn.partition.pipeline import build_pipeline
-    from shardfn.runtime import executor
     from shardfn.partition.schedules import get_schedule
+    from shardfn.partition.stages import build_pipeline
+    from shardfn.runtime import executor
+    from shardfn.runtime.pipeline_step import make_pipeline_step
 
     pp, m = args["ranks"], args["microbatches"]
     mesh = sf.Mesh({"pp": pp})
     rank = mesh.coordinate()["pp"]
-    loss = make_loss(args["vocab"])
-    params = make_params(args["dim"], args["mlp"], args["vocab"], args["layers"])
+    loss = tiny_loss
+    params = tiny_params(args["layers"], dim=args["dim"], hidden=args["mlp"], vocab=args["vocab"])
     g = torch.Generator().manual_seed(1)
-    batch = {k: torch.randint(0, args["vocab"], (args["rows"] * m, args["seq"]), generator=g) for k in ("inputs", "targets")}
+    batch = {
+        k: torch.randint(0, args["vocab"], (args["rows"] * m, args["seq"]), generator=g) for k in ("inputs", "targets")
+    }
     out = {}
     for name in args["schedules"]:
         sched = get_schedule(name, pp, m)
         pipe = build_pipeline(loss, params, {k: v[: args["rows"]] for k, v in batch.items()}, sched.n_stages,
                               split=sched.stages_of(rank))
-        step = executor.make_pipeline_step(pipe, sched, mesh, optim.adamw(1e-3), grad_clip=1.0, record=True)
+        step = make_pipeline_step(pipe, sched, mesh, lambda norm: optim.chain(optim.clip_by_global_norm(1.0, norm=norm),
+                                                                             optim.adamw(1e-3)), record=True)
         local = step.scatter(params)
         state = step.optimizer.init(local)
         runs = []
@@ -121,8 +95,8 @@ def _mean_costs(events: list[dict]) -> dict[str, float]:
 
 
 def summarize(name: str, pp: int, m: int, runs_per_rank: list[list[dict]]) -> dict:
-    from shardfn.runtime import executor
     from shardfn.partition.schedules import get_schedule, simulate
+    from shardfn.runtime import executor
 
     sched = get_schedule(name, pp, m, communication=False)
     runs = runs_per_rank[0]  # every rank gathered the same events

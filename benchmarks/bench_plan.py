@@ -2,7 +2,8 @@
 
 Each case runs in its own process (so its peak RSS is its own) and plans the config's run
 (interleaved 1F1B, 128 microbatches or one row each when fewer rows, global batch 16384 x 4096, bfloat16, activation
-checkpointing) at ``pp=16, ep=64`` with ``dp`` filling the rank count. Targets on a 2-core machine: under 60 s and 4 GB per case, and wall time
+checkpointing) at ``pp=16, ep=64`` with ``dp`` filling the rank count. Targets on a 2-core machine: under
+60 s and 4 GB per case, and wall time
 growing less than linearly in the rank count (4x the ranks, less than 4x the time).
 
     python benchmarks/bench_plan.py                   # writes benchmarks/results/bench_plan.json
@@ -55,7 +56,9 @@ def case(ranks: int, hardware: str = "h200") -> dict:
 def run_case(ranks: int) -> dict:
     """The case in a fresh interpreter; ``wall_s`` is the whole process, start to exit."""
     tic = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--case", str(ranks)], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--case", str(ranks)], capture_output=True, text=True, timeout=1800
+    )
     wall = time.perf_counter() - tic
     if proc.returncode:
         raise RuntimeError(f"case {ranks} failed:\n{proc.stderr[-4000:]}")

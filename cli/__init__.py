@@ -6,7 +6,7 @@
 ``python -m shardfn.cli`` is the same program as the ``shardfn`` console script.
 """
 
-from shardfn.cli.main import SUBCOMMANDS, Subcommand, main, register_subcommand
 from shardfn.cli.common import UsageError
+from shardfn.cli.main import SUBCOMMANDS, Subcommand, main, register_subcommand
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "UsageError", "main", "register_subcommand"]

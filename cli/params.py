@@ -12,7 +12,6 @@ from shardfn.cli.common import add_config_arguments, config_from_args
 from shardfn.core.units import format_count
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help='print {"total": N, "active": N}')

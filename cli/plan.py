@@ -32,9 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32",
                         help="parameter and compute dtype (default: float32, what the train step runs)")
-    parser.add_argument("--gpus", type=int, metavar="N", help="devices: the mesh must use exactly N (required by --search)")
-    parser.add_argument("--search", action="store_true", help="enumerate layouts of --gpus devices; print those that fit")
-    parser.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many fitting layouts (default 10)")
+    parser.add_argument("--gpus", type=int, metavar="N", help="devices: the mesh must use exactly N (required by "
+                                                              "--search)")
+    parser.add_argument("--search", action="store_true", help="enumerate layouts of --gpus devices; print those that "
+                                                              "fit")
+    parser.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many fitting layouts (default "
+                                                                         "10)")
     parser.add_argument("--schedules", default="1f1b,interleaved_1f1b,zbh1,dualpipev", metavar="LIST",
                         help="--search: pipeline schedules to try, comma-separated")
     parser.add_argument("--microbatches", default=None, metavar="LIST",
@@ -46,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from shardfn.cli.common import UsageError, config_from_args
     from shardfn import plan as planner
+    from shardfn.cli.common import UsageError, config_from_args
 
     cfg = config_from_args(args)
     dtype = getattr(torch, args.dtype)

@@ -13,7 +13,6 @@ import sys
 from shardfn.cli.common import UsageError, add_config_arguments, config_from_args
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--metrics", metavar="FILE", default=None,

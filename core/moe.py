@@ -210,7 +210,7 @@ def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     """The routed part of the layer on one device: dispatch, experts, combine (dropless).
 
     This is the seam for expert parallelism: a function with this signature
-    (``runtime.moe_dispatch.expert_parallel_region``) can replace it in :func:`moe_layer`.
+    (``runtime.moe_dispatch.ExpertRegion``) can replace it in :func:`moe_layer` (its ``routed_fn``).
 
     Args:
         x: ``[T, D]``; indices, weights: ``[T, k]``; w1, w3: ``[E, D, F]``; w2: ``[E, F, D]``.

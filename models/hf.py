@@ -37,7 +37,7 @@ the routed experts' along a second, expert dim):
   DeepSeek-V3 MoE layers (HF layers first_k_dense .. n_layers-1 -> moe_layers 0 .. Lm-1):
     mlp.gate.weight                                    moe_layers.router [Lm, D, E]  .T
     mlp.gate.e_score_correction_bias                   moe_layers.router_bias [Lm, E]
-    mlp.experts.{e}.{gate,up,down}_proj.weight         moe_layers.experts.w{1,3,2} [Lm, E, ..] .T, stacked over layers, experts
+    mlp.experts.{e}.{gate,up,down}_proj.weight         moe_layers.experts.w{1,3,2} [Lm, E, ..] .T, by layer, expert
     mlp.shared_experts.{gate,up,down}_proj.weight      moe_layers.shared.w{1,3,2}    .T
 
 ``<stack>`` is ``layers`` for Llama; for the MoE model it is ``dense_layers`` for HF layers
@@ -166,7 +166,8 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
         x = torch.stack(parts) if len(parts) > 1 or entry.layers is not None or entry.experts else parts[0]
         flat[entry.path] = x.reshape(shapes[entry.path]).to(device=device, dtype=dtype).contiguous()
     if cfg.tie_embeddings and "lm_head.weight" in tensors:
-        if not torch.equal(tensors["lm_head.weight"].to(torch.float32), tensors["model.embed_tokens.weight"].to(torch.float32)):
+        head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
+        if not torch.equal(head.to(torch.float32), embed.to(torch.float32)):
             raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
                              f"model.tie_embeddings is true; set model.tie_embeddings=false to load it")
     return map_with_path(lambda path, _: flat[path], meta)  # the model's own tree structure and key order
@@ -249,7 +250,8 @@ class SafetensorsDir(Mapping):
         else:
             files = sorted(p.name for p in d.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(f"train.init_from: {str(d)!r} holds no *.safetensors files (and no {INDEX_FILE})")
+                raise FileNotFoundError(f"train.init_from: {str(d)!r} holds no *.safetensors files (and no "
+                                        f"{INDEX_FILE})")
             weight_map = None
         self._handles = {}
         self._where: dict[str, str] = {}

@@ -124,7 +124,8 @@ class Config:
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(0 <= self.first_k_dense < self.n_layers, "first_k_dense",
               f"= {self.first_k_dense} must be in [0, model.n_layers = {self.n_layers}) so at least one layer is MoE")
-        check(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        check(self.attention in ATTENTIONS, "attention", f"must be one of {', '.join(ATTENTIONS)}, got "
+                                                         f"{self.attention!r}")
         if self.attention == "gqa":
             self._check_gqa()
         else:
@@ -145,7 +146,8 @@ class Config:
         check(self.dim % self.n_heads == 0, "n_heads", f"= {self.n_heads} must divide model.dim = {self.dim}")
         check(self.n_heads % self.n_kv_heads == 0, "n_kv_heads",
               f"= {self.n_kv_heads} must divide model.n_heads = {self.n_heads} (grouped-query attention)")
-        check(self.head_dim % 2 == 0, "n_heads", f"= {self.n_heads} gives an odd head dim {self.head_dim}; RoPE needs it even")
+        check(self.head_dim % 2 == 0, "n_heads", f"= {self.n_heads} gives an odd head dim {self.head_dim}; RoPE needs "
+                                                 f"it even")
 
     def _check_mla(self):
         check(self.q_lora_rank >= 0, "q_lora_rank", f"must be >= 0 (0: direct wq), got {self.q_lora_rank}")

@@ -79,8 +79,9 @@ def constrain(x: Any, spec: Any) -> Any:
 
         h = constrain(h, P("dp", None, "tp"))
     """
-    from shardfn.partition.spec import broadcast_specs
     import optree
+
+    from shardfn.partition.spec import broadcast_specs
 
     if isinstance(spec, str):  # a bare axis name would be read letter by letter
         raise TypeError(f"sf.constrain: a spec is a P(...) or a pytree of them, got the string {spec!r}; "

@@ -27,8 +27,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.utils.flop_counter import flop_registry
 
+from shardfn.partition import _torch_private as private
+from shardfn.partition.flops import op_flops
+from shardfn.partition.fx import is_view
 from shardfn.partition.hardware import Hardware
 
 aten = torch.ops.aten
@@ -78,31 +80,6 @@ _ITEMSIZE = {
 }
 
 
-def is_view(op) -> bool:
-    """True for ops whose output aliases an input (no bytes are moved)."""
-    schema = getattr(op, "_schema", None)
-    if schema is None:
-        return False
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-def _flops_sdpa_cpu(q, k, v, *args, **kwargs) -> int:
-    # [B, H, S, D]: two matmuls of 2*B*H*Sq*Sk*D FLOPs each (no causal discount, as torch's counter)
-    b, h, sq, d = q
-    return 4 * b * h * sq * k[-2] * d
-
-
-def _flops_sdpa_cpu_backward(grad, q, k, v, *args, **kwargs) -> int:
-    b, h, sq, d = q
-    return 8 * b * h * sq * k[-2] * d
-
-
-_EXTRA_FLOPS = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _flops_sdpa_cpu,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _flops_sdpa_cpu_backward,
-}
-
-
 class CostModel:
     """Prices ops, transitions and memory for one mesh shape on one hardware profile.
 
@@ -132,17 +109,6 @@ class CostModel:
         return nbytes(local_shape(val.shape, placements, self.mesh_shape), val.dtype)
 
     # -- compute -----------------------------------------------------------------------------
-    def flops(self, op, arg_shapes: tuple, kwarg_shapes: dict, out_shape) -> int:
-        """FLOPs of ``op`` at the given (local) shapes; 0 for ops the registry does not know."""
-        packet = getattr(op, "overloadpacket", op)
-        fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-        if fn is None:
-            return 0
-        try:
-            return int(fn(*arg_shapes, **kwarg_shapes, out_val=out_shape)) if packet in flop_registry else int(fn(*arg_shapes, **kwarg_shapes))
-        except Exception:  # a formula that does not accept these arguments: count it as free
-            return 0
-
     def compute_time(self, op, args: tuple, kwargs: dict, out_val, in_placements: Sequence, out_placements) -> float:
         """Seconds for one rank to run ``op`` under one strategy.
 
@@ -150,11 +116,9 @@ class CostModel:
         each tensor among them in pytree order; ``out_placements`` those of the output (a tuple
         of them for multi-output ops).
         """
-        from torch.utils import _pytree as pytree
-
         if is_view(op):
             return 0.0
-        flat, spec = pytree.tree_flatten((args, kwargs))
+        flat, spec = private.tree_flatten((args, kwargs))
         it = iter(in_placements)
         moved = 0
         shapes = []
@@ -168,7 +132,7 @@ class CostModel:
                 shapes.append(torch.Size(shape))
             else:
                 shapes.append(x)
-        largs, lkwargs = pytree.tree_unflatten(shapes, spec)
+        largs, lkwargs = private.tree_unflatten(shapes, spec)
         outs = out_val if isinstance(out_val, (tuple, list)) else (out_val,)
         outs_pl = out_placements if isinstance(out_val, (tuple, list)) else (out_placements,)
         out_shapes = []
@@ -181,7 +145,7 @@ class CostModel:
             else:
                 out_shapes.append(None)
         out_shape = out_shapes[0] if not isinstance(out_val, (tuple, list)) else tuple(out_shapes)
-        flops = self.flops(op, largs, lkwargs, out_shape)
+        flops = op_flops(op, largs, lkwargs, out_shape)
         peak = self.hardware.peak_flops(dtype or torch.float32)
         return flops / peak + moved / self.hardware.hbm_bandwidth
 
@@ -219,7 +183,9 @@ class CostModel:
             if isinstance(b, Partial):  # R -> P is local; S -> P gathers first
                 steps.append((3, -d, "all_gather" if isinstance(a, Shard) else "local"))
             elif isinstance(a, Partial):
-                steps.append((0 if isinstance(b, Shard) else 2, d, "reduce_scatter" if isinstance(b, Shard) else "all_reduce"))
+                steps.append(
+                    (0 if isinstance(b, Shard) else 2, d, "reduce_scatter" if isinstance(b, Shard) else "all_reduce")
+                )
             elif isinstance(a, Shard) and isinstance(b, Shard):
                 steps.append((1, d, "all_to_all"))
             elif isinstance(a, Shard):

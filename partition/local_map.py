@@ -115,7 +115,9 @@ def _scale(shape, spec, mesh, factor: int) -> list[int]:
 
 def _local_fakes(reg: Region, xs: list) -> list:
     mesh = current_mesh()
-    return [torch.empty(_scale(x.shape, s, mesh, -1), dtype=x.dtype, device=x.device) for x, s in zip(xs, reg.in_leaf_specs)]
+    return [
+        torch.empty(_scale(x.shape, s, mesh, -1), dtype=x.dtype, device=x.device) for x, s in zip(xs, reg.in_leaf_specs)
+    ]
 
 
 @torch.library.custom_op("shardfn::local_region", mutates_args=())
@@ -132,7 +134,10 @@ def _(xs, rid):
     reg.out_meta = [(tuple(o.shape), o.dtype) for o in outs]
     if mesh is None:
         return [torch.empty_like(o) for o in outs]
-    return [torch.empty(_scale(o.shape, s, mesh, +1), dtype=o.dtype, device=o.device) for o, s in zip(outs, reg.out_leaf_specs)]
+    return [
+        torch.empty(_scale(o.shape, s, mesh, +1), dtype=o.dtype, device=o.device)
+        for o, s in zip(outs, reg.out_leaf_specs)
+    ]
 
 
 def vjp_flat(reg: Region, xs: list, outs: list, gs: list) -> list:

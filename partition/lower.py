@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.partition import _torch_private as private
-from shardfn.partition.propagate import ShardingInterpreter, ShardingError
+from shardfn.partition.propagate import ShardingError, ShardingInterpreter
 from shardfn.partition.trace import Traced
 
 COLLECTIVES = {

@@ -27,7 +27,6 @@ from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 from shardfn.partition import _torch_private as private
 from shardfn.partition import local_map, rules
@@ -128,7 +127,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
             return self._local_region(n, args[0], args[1])
         if target is torch.ops.shardfn.local_region_backward.default:
             return self._local_region_backward(n, *args)
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, private.OpOverload):
             return target(*args, **kwargs)
         if target in _CONSTANT_COPIES:
             return args[0]  # a constant captured by the trace: already a replicated value
@@ -207,8 +206,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
     def _gather_stored(self, n, target, args, kwargs):
         if not self.fsdp_dims:
             return args, kwargs
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        sources = pytree.tree_leaves((n.args, n.kwargs))
+        flat, spec = private.tree_flatten((args, kwargs))
+        sources = private.tree_leaves((n.args, n.kwargs))
         if len(sources) != len(flat):  # defensive: structure mismatch means no stored inputs here
             return args, kwargs
         stored_in = [i for i, src in enumerate(sources) if isinstance(src, torch.fx.Node) and src in self.stored_nodes]
@@ -228,11 +227,11 @@ class ShardingInterpreter(torch.fx.Interpreter):
                 for d in self.fsdp_dims:
                     placements[d] = Replicate()
                 flat[i] = x.redistribute(self.dmesh, placements)
-        return pytree.tree_unflatten(flat, spec)
+        return private.tree_unflatten(flat, spec)
 
     def _reduce_partials(self, n, target, args, kwargs):
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        sources = pytree.tree_leaves((n.args, n.kwargs))
+        flat, spec = private.tree_flatten((args, kwargs))
+        sources = private.tree_leaves((n.args, n.kwargs))
         tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, DTensor)]
         if not any(_has_partial(flat[i]) for i in tensor_idx):
             return args, kwargs
@@ -240,7 +239,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
             return args, kwargs
         wanted, outs = private.planned_sharding(target, args, kwargs)
         if wanted is None:
-            wanted = [flat[i]._spec for i in tensor_idx]
+            wanted = [private.dtensor_spec(flat[i]) for i in tensor_idx]
         if len(wanted) != len(tensor_idx):
             return args, kwargs
         partial_dims = {d for i in tensor_idx for d, p in enumerate(flat[i].placements) if isinstance(p, Partial)}
@@ -263,13 +262,15 @@ class ShardingInterpreter(torch.fx.Interpreter):
             x = flat[i]
             if not any(isinstance(x.placements[d], Partial) for d in dims):
                 continue
-            placements = [Replicate() if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)]
+            placements = [
+                Replicate() if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)
+            ]
             reduced = x.redistribute(self.dmesh, placements)
             flat[i] = reduced
             src = sources[i] if len(sources) == len(flat) else None
             if isinstance(src, torch.fx.Node) and self.env.get(src) is x:
                 self.env[src] = reduced  # reduce once: later consumers see the reduced value
-        return pytree.tree_unflatten(flat, spec)
+        return private.tree_unflatten(flat, spec)
 
     def _replicated(self, t: torch.Tensor) -> DTensor:
         return DTensor.from_local(t, self.dmesh, [Replicate()] * self.dmesh.ndim, run_check=False)
@@ -289,7 +290,7 @@ def _placements_of(out: Any):
 
 def _describe_args(args, names) -> str:
     parts = []
-    for a in pytree.tree_leaves(args):
+    for a in private.tree_leaves(args):
         if isinstance(a, DTensor):
             parts.append(f"{tuple(a.shape)}[{describe(a.placements, names)}]")
     return ", ".join(parts) or "(no tensors)"

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 
+from shardfn.partition.fx import is_view
 from shardfn.partition.lower import collective_nodes
 from shardfn.partition.spec import describe
 
@@ -71,7 +72,7 @@ def peak_temporary_bytes(gm: torch.fx.GraphModule) -> int:
     for i, n in enumerate(nodes):
         if n.op == "call_function":
             val = n.meta.get("val")
-            size = sum(_bytes(v) for v in _tensors(val) if not _is_view(n))
+            size = sum(_bytes(v) for v in _tensors(val) if not is_view(n))
             sizes[n] = size
             live += size
             peak = max(peak, live)
@@ -79,13 +80,6 @@ def peak_temporary_bytes(gm: torch.fx.GraphModule) -> int:
             if last_use.get(a) == i and a in sizes:
                 live -= sizes.pop(a)
     return peak
-
-
-def _is_view(n: torch.fx.Node) -> bool:
-    schema = getattr(n.target, "_schema", None)
-    if schema is None:
-        return False
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
 def _tensors(val):

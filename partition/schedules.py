@@ -466,8 +466,11 @@ def stages_per_rank(name: str, n_ranks: int, n_stages: Optional[int] = None) -> 
     if n_stages is None:
         return _DEFAULT_VIRTUAL if fixed is None else fixed
     if n_stages % n_ranks:
-        raise LayoutError("pipeline.stages", f"{n_stages} is not a multiple of mesh.pp = {n_ranks}; use "
-                                             f"{n_ranks * max(1, n_stages // n_ranks)} or null (the schedule's default)")
+        raise LayoutError(
+            "pipeline.stages",
+            f"{n_stages} is not a multiple of mesh.pp = {n_ranks}; use "
+            f"{n_ranks * max(1, n_stages // n_ranks)} or null (the schedule's default)",
+        )
     virtual = n_stages // n_ranks
     if fixed is not None and virtual != fixed:
         other = "; for more stages per rank use interleaved_1f1b" if fixed == 1 else ""

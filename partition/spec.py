@@ -92,7 +92,8 @@ def to_placements(
         idx = [list(axis_names).index(n) for n in names if n in axis_names]
         if idx != sorted(idx):
             raise ValueError(
-                f"{where}: the axes {tuple(names)} of dim {dim} in {spec!r} must follow the mesh order {tuple(axis_names)}"
+                f"{where}: the axes {tuple(names)} of dim {dim} in {spec!r} must follow the mesh order "
+                f"{tuple(axis_names)}"
             )
     return tuple(placements)
 

@@ -61,8 +61,12 @@ def trace(fn: Callable, args: tuple) -> Traced:
                 raise TypeError(f"sf.jit functions return pytrees of tensors; got a {type(leaf).__name__} leaf")
         return out_leaves
 
+    distinct, seen = [], set()
+    for x in leaves:  # one tensor passed as two leaves would trace as one input
+        distinct.append(x.clone() if id(x) in seen else x)
+        seen.add(id(x))
     with collecting_regions() as regions:
-        gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
+        gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*distinct)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     in_meta = [n.meta["val"] for n in placeholders]

@@ -18,7 +18,8 @@ Where each number comes from:
 - **Parameters, gradients, optimizer state** are exact, for the full model, from shapes and
   specs alone: every parameter's spec on the mesh (``model.param_axes`` + the config's rules,
   as ``runtime.partitioned`` lays out a run) gives its local shard, ``numel x element size``;
-  a pipeline rank holds its stages' slices of the stacked layers (:func:`stage_layers`), the
+  a pipeline rank holds its stages' slices of the stacked layers (:func:`stage_ranges`: the
+  split a run makes, balanced by cost, whole layers), the
   embedding on the first stage and the final norm and output head on the last. The optimizer
   state is the real optimizer's ``init`` on meta tensors (AdamW: two moments like the
   parameters plus 0-d counters), sharded as the parameters. Gradients are the parameters' size.
@@ -63,7 +64,7 @@ Where each number comes from:
 """
 
 from shardfn.plan.estimate import Plan, make_plan
-from shardfn.plan.inventory import memory_bytes, stage_layers, state_bytes
+from shardfn.plan.inventory import memory_bytes, stage_ranges, state_bytes
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, rank_stages
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Profile, lower_step, measure, profile, saved_bytes
 from shardfn.plan.search import SearchResult, search
@@ -72,6 +73,6 @@ from shardfn.plan.text import format_plan, format_search
 __all__ = [
     "PLACEMENT_ORDER", "FULL_TRACE_MAX_LAYERS",
     "Layout", "PlanError", "Plan", "Profile", "SearchResult",
-    "check_layout", "stage_layers", "rank_stages", "state_bytes", "memory_bytes",
+    "check_layout", "stage_ranges", "rank_stages", "state_bytes", "memory_bytes",
     "lower_step", "measure", "saved_bytes", "profile", "make_plan", "search", "format_plan", "format_search",
 ]

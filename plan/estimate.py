@@ -15,7 +15,16 @@ import torch
 from shardfn.partition.hardware import Hardware, load_hardware
 from shardfn.partition.layouts import MESH_AXES
 from shardfn.plan.inventory import (
-    Leaf, ModelFacts, RankShare, leaf_on_rank, memory_bytes, mesh_leaves, model_facts, rank_shares, stage_shares,
+    Leaf,
+    ModelFacts,
+    RankShare,
+    layer_costs,
+    leaf_on_rank,
+    memory_bytes,
+    mesh_leaves,
+    model_facts,
+    rank_shares,
+    stage_shares,
 )
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, inflight, makespan_units, rank_stages
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, profile
@@ -83,7 +92,8 @@ def intra_node(layout: Layout, hw: Hardware) -> dict[str, bool]:
     return out
 
 
-def collective_seconds(hw: Hardware, layout: Layout, intra: dict, op: str, axis: str, nbytes: float, count: float) -> float:
+def collective_seconds(hw: Hardware, layout: Layout, intra: dict, op: str, axis: str, nbytes: float,
+                       count: float) -> float:
     if count <= 0:
         return 0.0
     size = getattr(layout, axis)
@@ -168,7 +178,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     if full_trace and layout.pp > 1:
         raise PlanError("mesh.pp", "a whole-model trace has no stages; plan pp > 1 with full_trace=False")
     prof = profile(cfg, layout.axes(include_pp=False), rows, dtype=dtype, full=full_trace, cache=profiles)
-    stages = stage_shares(model, mcfg, layout)
+    stages = stage_shares(model, cfg, layout, dtype)
     stage_saved, stage_comm = zip(*[_stage_mb(prof, s) for s in stages])
     n_layers = [sum(s.counts.values()) for s in stages]
     if prof.full:  # the base holds every layer; checkpointing keeps each layer's input only
@@ -181,7 +191,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
 
     memory = memory_bytes(cfg, layout, dtype=dtype)
     ranks, rank_comm = [], []
-    for r, (share, owned) in enumerate(zip(rank_shares(model, mcfg, layout), rank_stages(layout))):
+    for r, (share, owned) in enumerate(zip(rank_shares(model, cfg, layout, dtype), rank_stages(layout))):
         mb_comm = {}
         for s in owned:
             mb_comm = comm_add(mb_comm, stage_comm[s])
@@ -213,6 +223,9 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         notes.append("all_to_all over ep is estimated for uniform routing; the runtime records the real bytes")
     if not prof.full:
         notes.append("embedding, final norm, output head and loss are charged to the last stage")
+    if layout.n_stages > 1 and layer_costs(cfg.model_name, mcfg, rows, cfg.train.seq_len, dtype) is None:
+        notes.append("stages split by layer count: the loss has no cut between layers (each layer's auxiliary "
+                     "balance loss reaches the final loss), so the pipeline runtime cannot split it yet")
     if layout.pp > 1 and any(getattr(layout, a) > 1 for a in ("fsdp", "tp")):
         notes.append("planned only: the pipeline executor composes mesh.pp with mesh.dp and mesh.ep so far")
     return Plan(

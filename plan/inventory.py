@@ -7,6 +7,7 @@ layers, and exact parameter, gradient and optimizer-state bytes per rank.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -17,6 +18,7 @@ import torch
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.layouts import param_specs, resolve_rules
 from shardfn.partition.spec import P, shard_shape
+from shardfn.partition.stages import split_costs
 from shardfn.plan.layout import Layout, rank_stages
 from shardfn.runtime.train_step import make_optimizer
 
@@ -70,22 +72,65 @@ def mesh_leaves(model, model_cfg, axes: Mapping[str, int], rules: dict | None, d
     return out
 
 
-def stage_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """Contiguous ``[start, end)`` layer ranges of ``n_stages`` stages, as even as possible
-    (the first ``n_layers % n_stages`` stages get one layer more).
+def stage_ranges(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges of the layout's pipeline stages: the split a run
+    makes (``partition.stages``: whole layers, the costliest stage as cheap as possible), from the
+    per-layer costs of a traced reduced model (:func:`layer_costs`).
 
     Example:
-        stage_layers(61, 16)[:2], stage_layers(61, 16)[-1]   # [(0, 4), (4, 8)], (58, 61)
+        stage_ranges(load_config("deepseek_v3_671b"), Layout(pp=16, microbatches=32))[:2]
     """
-    if not 1 <= n_stages <= n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages")
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        end = start + base + (1 if s < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
+    n_layers = cfg.model.n_layers
+    if layout.n_stages == 1:
+        return [(0, n_layers)]
+    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
+    costs = layer_costs(cfg.model_name, cfg.model, rows, cfg.train.seq_len, dtype)
+    if costs is None:  # the loss has no cut between layers: the planner splits by layer count
+        base, extra = divmod(n_layers, layout.n_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(layout.n_stages)]
+        edges = [sum(sizes[:s]) for s in range(layout.n_stages + 1)]
+    else:
+        edges = [0, *split_costs(costs, layout.n_stages), n_layers]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+@functools.lru_cache(maxsize=64)
+def layer_costs(model_name: str, model_cfg, rows: int, seq_len: int, dtype: torch.dtype) -> tuple[float, ...] | None:
+    """The cost of each layer of the model for balancing pipeline stages, as the runtime measures it
+    on its traced loss (``partition.stages.layer_units``; the embedding counts with the first layer,
+    the head with the last), for a microbatch of ``rows`` x ``seq_len`` tokens.
+
+    A reduced model with three layers of each stack is traced (nothing is allocated): its middle
+    layers cost what every layer of their stack costs, and its first and last units add the
+    embedding and the head. None when the traced loss has no valid cut between its layers (every
+    layer's auxiliary balance loss reaches the final loss, as DeepSeek-V3's do): the runtime cannot
+    split it into stages yet.
+
+    Example:
+        layer_costs("llama", llama.Config(), 4, 128, torch.float32)   # one cost per layer
+    """
+    from shardfn import models
+    from shardfn.partition._torch_private import fake_mode
+    from shardfn.partition.stages import layer_units, trace_loss
+
+    model = models.get(model_name)
+    stacks = model.stacks(model_cfg)
+    reduced = model.with_layers(model_cfg, {k: 3 for k, _ in stacks})
+    with fake_mode():
+        params = model.init(reduced, 0, dtype=dtype)
+        tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+    units = layer_units(
+        trace_loss(lambda p, b: model.loss(p, b, reduced), params, {"inputs": tokens, "targets": tokens})
+    )
+    if units.layers is None:
+        return None
+    cost = dict(zip(units.layers, units.costs))
+    per_layer = {k: cost[(k, 1)] for k, _ in stacks}
+    first, last = stacks[0][0], stacks[-1][0]
+    out = [per_layer[k] for k, n in stacks for _ in range(n)]
+    out[0] += cost[(first, 0)] - per_layer[first]    # the embedding
+    out[-1] += cost[(last, 2)] - per_layer[last]     # the final norm, the head and the loss
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -98,10 +143,11 @@ class RankShare:
     layer_ranges: tuple       # ((start, end), ...) of its stages
 
 
-def rank_shares(model, model_cfg, layout: Layout) -> list[RankShare]:
+def rank_shares(model, cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[RankShare]:
     """What each pipeline rank holds (layers per stack; embedding; head), from the stage split."""
+    model_cfg = cfg.model
     stacks = model.stacks(model_cfg)
-    ranges = stage_layers(model_cfg.n_layers, layout.n_stages)
+    ranges = stage_ranges(cfg, layout, dtype)
     n_stages = layout.n_stages
     bounds, start = {}, 0
     for key, n in stacks:
@@ -171,7 +217,7 @@ def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> 
     params = meta_params(model, cfg.model, dtype)
     state = make_optimizer(cfg.train, model).init(params)
     out = []
-    for share in rank_shares(model, cfg.model, layout):
+    for share in rank_shares(model, cfg, layout, dtype):
         p = sum(local_numel(leaf, share, tied) * leaf.itemsize for leaf in leaves)
         opt = state_bytes(state, params, lambda path, size, s=share: local_numel(by_path[path], s, tied) * size)
         out.append({"params": p, "grads": p, "opt_state": opt})
@@ -216,10 +262,10 @@ def model_facts(model, model_cfg, leaves: Sequence[Leaf]) -> ModelFacts:
     return ModelFacts(stacks, params, active, embed, head, attn, model_cfg.dim, model.experts_per_token(model_cfg))
 
 
-def stage_shares(model, model_cfg, layout: Layout) -> list[RankShare]:
+def stage_shares(model, cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[RankShare]:
     """One share per stage (not per rank), for per-stage activations and compute."""
-    out, stacks = [], model.stacks(model_cfg)
-    ranges = stage_layers(model_cfg.n_layers, layout.n_stages)
+    out, stacks = [], model.stacks(cfg.model)
+    ranges = stage_ranges(cfg, layout, dtype)
     for s, (lo, hi) in enumerate(ranges):
         counts, start = {}, 0
         for key, n in stacks:

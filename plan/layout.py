@@ -137,7 +137,9 @@ def check_pipeline(cfg, layout: Layout) -> None:
         try:
             schedule_of(layout)
         except ValueError as e:
-            raise PlanError("pipeline.microbatches" if "microbatch" in str(e) else "pipeline.schedule", str(e)) from None
+            raise PlanError(
+                "pipeline.microbatches" if "microbatch" in str(e) else "pipeline.schedule", str(e)
+            ) from None
 
 
 def check_layout_batch(cfg, layout: Layout) -> None:

@@ -106,7 +106,7 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
     tokens_mb = rows * cfg.train.seq_len
-    stages = stage_shares(model, mcfg, layout)
+    stages = stage_shares(model, cfg, layout, dtype)
     held_layers, _, _ = inflight(layout, [sum(s.counts.values()) for s in stages])
     input_bytes = tokens_mb * mcfg.dim * itemsize
     peak = max(s["params"] + s["grads"] + s["opt_state"] + h * input_bytes for s, h in zip(static, held_layers))

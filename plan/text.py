@@ -30,9 +30,11 @@ def format_plan(plan: Plan) -> str:
         f"  parameters        {format_bytes(r['params_bytes']):>14}",
         f"  gradients         {format_bytes(r['grads_bytes']):>14}",
         f"  optimizer state   {format_bytes(r['opt_state_bytes']):>14}",
-        f"  activations       {format_bytes(r['activation_bytes']):>14}   at most {r['inflight_microbatches']} (stage, microbatch) "
+        f"  activations       {format_bytes(r['activation_bytes']):>14}   at most {r['inflight_microbatches']} "
+        f"(stage, microbatch) "
         f"held{' with checkpointing' if lay.checkpointing else ''}; one microbatch through this rank saves "
-        f"{format_bytes(r['activation_bytes_per_microbatch'])}, {format_bytes(r['activation_bytes_per_microbatch_checkpointed'])} "
+        f"{format_bytes(r['activation_bytes_per_microbatch'])}, "
+        f"{format_bytes(r['activation_bytes_per_microbatch_checkpointed'])} "
         f"checkpointed",
         f"  transient         {format_bytes(r['transient_bytes']):>14}   one layer's working set",
         f"  peak              {format_bytes(r['peak_bytes']):>14}   of {format_bytes(plan.capacity_bytes)}: "

@@ -310,7 +310,9 @@ def check_compatible(path: Path, saved: dict, target: dict, meta: dict, config: 
     fix = (f"{hint}load it with the config it was saved with (its meta.json holds it), or point "
            f"train.checkpoint.dir at a fresh directory to start a new run")
     wanted = [k for k in target if k.startswith(("params.", "opt_state."))]  # params first
-    have = sorted((k for k in saved if k.startswith(("params.", "opt_state."))), key=lambda k: not k.startswith("params."))
+    have = sorted(
+        (k for k in saved if k.startswith(("params.", "opt_state."))), key=lambda k: not k.startswith("params.")
+    )
     for key in (k for k in wanted if k not in saved):
         raise ValueError(f"checkpoint {path} has no {key!r}: it holds the state of a different model or "
                          f"optimizer; {fix}")

@@ -40,8 +40,10 @@ class Blocks:
     def __post_init__(self):
         self.shape = torch.Size(self.shape)
         for offsets, t in self.blocks:
-            if len(offsets) != len(self.shape) or any(o < 0 or o + n > s for o, n, s in zip(offsets, t.shape, self.shape)):
-                raise ValueError(f"a block of shape {tuple(t.shape)} at {tuple(offsets)} lies outside {tuple(self.shape)}")
+            outside = any(o < 0 or o + n > s for o, n, s in zip(offsets, t.shape, self.shape))
+            if len(offsets) != len(self.shape) or outside:
+                raise ValueError(f"a block of shape {tuple(t.shape)} at {tuple(offsets)} lies outside "
+                                 f"{tuple(self.shape)}")
             if t.dtype != self.dtype:
                 raise ValueError(f"a block is {t.dtype}, the tensor {self.dtype}")
 

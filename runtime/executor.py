@@ -1,7 +1,7 @@
 """Run a pipeline schedule on this rank: F / I / W programs, P2P batches, traces.
 
 :func:`run_schedule` executes one rank's action list from ``shardfn.partition.schedules`` with the
-stage programs of ``shardfn.partition.pipeline``: ``F`` runs a stage's forward and keeps the
+stage programs of ``shardfn.partition.stages``: ``F`` runs a stage's forward and keeps the
 values its backward needs per ``(stage, microbatch)``; ``I`` turns the output gradient into the
 input gradient; ``W`` adds the parameter gradients into an accumulator; ``B`` is ``I`` then
 ``W``. Each run of adjacent communication actions is one ``batch_isend_irecv`` over the ``pp``
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from shardfn.core.pytree import flatten_with_paths, tree_map
-from shardfn.partition.pipeline import Pipeline
 from shardfn.partition.schedules import Action, Schedule, add_communication, group_steps
+from shardfn.partition.stages import Pipeline
 
 # ----------------------------------------------------------------------------- one schedule run
 
@@ -148,10 +148,18 @@ class _Rank:
             elif a.kind == "SEND_B":
                 t, tag, op = self.cots.pop(key).contiguous(), _tag(a.stage, True, mb, self.m), dist.isend
             elif a.kind == "RECV_F":
-                t, tag, op = self.stages[a.stage].in_spec.empty(self.device), _tag(a.stage - 1, False, mb, self.m), dist.irecv
+                t, tag, op = (
+                    self.stages[a.stage].in_spec.empty(self.device),
+                    _tag(a.stage - 1, False, mb, self.m),
+                    dist.irecv,
+                )
                 recvs.append((self.recv_x, key, t))
             else:  # RECV_B
-                t, tag, op = self.stages[a.stage].out_spec.empty(self.device), _tag(a.stage + 1, True, mb, self.m), dist.irecv
+                t, tag, op = (
+                    self.stages[a.stage].out_spec.empty(self.device),
+                    _tag(a.stage + 1, True, mb, self.m),
+                    dist.irecv,
+                )
                 recvs.append((self.recv_dy, key, t))
             ops.append(dist.P2POp(op, t, group=self.group, group_peer=a.peer, tag=tag))
         # Receives complete before the next step (the schedule's blocking-batch semantics); a send
@@ -205,7 +213,7 @@ def run_schedule(
     """Run ``schedule.actions[pp_rank]`` with ``pipe``'s stage programs.
 
     Args:
-        pipe: from :func:`~shardfn.partition.pipeline.build_pipeline`, with ``schedule.n_stages`` stages.
+        pipe: from :func:`~shardfn.partition.stages.build_pipeline`, with ``schedule.n_stages`` stages.
         schedule: a schedule with communication (one without gets it via ``add_communication``).
         pp_rank: this rank's index in the ``pp`` group (the schedule's rank).
         params: ``stage -> {path: held tensor}`` for this rank's stages (:func:`stage_params`).

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from shardfn.core.pytree import PyTree, map_with_path
 from shardfn.core.registry import Registry
 
+
 @dataclass(frozen=True)
 class ExpertLayout:
     """Where a model's routed experts live.
@@ -195,7 +196,7 @@ def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_ex
 
 
 def _register() -> None:
-    from shardfn.partition.pipeline import register_differentiable
+    from shardfn.partition.fiw import register_differentiable
     from shardfn.runtime import moe_dispatch
 
     register_differentiable(torch.ops.shardfn.count_experts.default, count_experts)
@@ -233,7 +234,7 @@ def routed_fn(n_experts: int, recorder: Recorder, ep_group=None, capacity_factor
 
 
 def stage_loss(model, model_cfg, recorder: Recorder, ep_group=None) -> Callable:
-    """``loss_fn(params, batch)`` for :func:`~shardfn.partition.pipeline.build_pipeline`: the
+    """``loss_fn(params, batch)`` for :func:`~shardfn.partition.stages.build_pipeline`: the
     model's loss with its MoE layers counted into ``recorder`` and, with ``ep_group``,
     expert-parallel.
 

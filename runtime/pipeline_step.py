@@ -27,9 +27,16 @@ import torch.distributed as dist
 
 from shardfn.core import optim
 from shardfn.core.pytree import PyTree, flatten_with_paths, tree_flatten, tree_unflatten
-from shardfn.partition.pipeline import Pipeline, merge_params, stage_params
 from shardfn.partition.schedules import Schedule, add_communication, get_schedule, stages_per_rank
-from shardfn.runtime.executor import RunResult, check_fit, dp_shard, run_schedule, split_microbatches, write_chrome_trace
+from shardfn.partition.stages import Pipeline, merge_params, stage_params
+from shardfn.runtime.executor import (
+    RunResult,
+    check_fit,
+    dp_shard,
+    run_schedule,
+    split_microbatches,
+    write_chrome_trace,
+)
 from shardfn.runtime.step import Step
 from shardfn.runtime.train_step import keep_finite, make_optimizer, step_metrics
 
@@ -338,7 +345,11 @@ def global_grad_norm(grads: PyTree, pp_group, *, over: bool = True, ep_group=Non
     items = flatten_with_paths(grads)
 
     def sum_sq(leaves):
-        return torch.stack([torch.sum(torch.square(t.to(torch.float32))) for t in leaves]).sum() if leaves else torch.zeros(())
+        return (
+            torch.stack([torch.sum(torch.square(t.to(torch.float32))) for t in leaves]).sum()
+            if leaves
+            else torch.zeros(())
+        )
 
     if sharded is None:
         sq = sum_sq([t for _, t in items])
@@ -429,7 +440,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     """
     import shardfn as sf
     from shardfn.partition.layouts import check_model
-    from shardfn.partition.pipeline import build_pipeline
+    from shardfn.partition.stages import build_pipeline
     from shardfn.runtime import pipeline_experts
 
     pp, dp, ep = cfg.mesh.pp, cfg.mesh.dp, cfg.mesh.ep

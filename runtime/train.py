@@ -25,7 +25,6 @@ from shardfn.runtime import checkpoint, data, launch
 from shardfn.runtime.build import build_step
 from shardfn.runtime.checkpoint import save_checkpoint
 
-
 # ----------------------------------------------------------------------------- the loop
 
 

@@ -90,8 +90,8 @@ def assert_matches(out, ref, *, rtol=1e-5):
             torch.testing.assert_close(got_p[path], p, rtol=rtol, atol=3e-5, msg=lambda m: f"param {path}: {m}")
 
 
-def reference(config=None):
-    cfg, model, params, opt, batches = setup([], config)
+def reference(config=None, overrides=()):
+    cfg, model, params, opt, batches = setup(list(overrides), config)
     state = opt.init(params)
     step = make_train_step(model, cfg.model, opt)
     _, grads0 = _grad_fn(model, cfg)(params, batches[0])

@@ -4,6 +4,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures import fake_train_step
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import shardfn as sf
 from shardfn import P
@@ -13,7 +15,6 @@ from shardfn.partition.cost import CostModel
 from shardfn.partition.hardware import Hardware, available_hardware, load_hardware
 from shardfn.partition.trace import trace
 from shardfn.runtime.launch import spawn
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 # ------------------------------------------------------------------ hardware and cost model
 
@@ -24,7 +25,8 @@ def test_every_profile_loads_and_unknown_names_list_the_valid_ones():
         hw = load_hardware(name)
         assert isinstance(hw, Hardware) and hw.name == name and hw.hbm_bytes > 0
     assert load_hardware("h200").hbm_bytes > load_hardware("h100").hbm_bytes
-    with pytest.raises(ValueError, match=r"unknown hardware 'h1000'; valid names are \['b200', 'cpu', 'gb200', 'h100', 'h200'\]"):
+    with pytest.raises(ValueError, match=r"unknown hardware 'h1000'; valid names are \['b200', 'cpu', 'gb200', "
+                                         r"'h100', 'h200'\]"):
         load_hardware("h1000")
 
 
@@ -66,10 +68,14 @@ def test_cost_model_transitions_and_compute():
     a, w, out = torch.empty(64, 32), torch.empty(32, 128), torch.empty(64, 128)
     hw = model.hardware
     full = model.compute_time(mm, (a, w), {}, out, [(R, R), (R, R)], (R, R))
-    assert full == pytest.approx(2 * 64 * 32 * 128 / hw.peak_flops_fp32 + (64 * 32 + 32 * 128 + 64 * 128) * 4 / hw.hbm_bandwidth)
+    assert full == pytest.approx(
+        2 * 64 * 32 * 128 / hw.peak_flops_fp32 + (64 * 32 + 32 * 128 + 64 * 128) * 4 / hw.hbm_bandwidth
+    )
     # rows over the 2-way dim, columns over the 4-way dim: 1/8 of the FLOPs on local shapes
     split = model.compute_time(mm, (a, w), {}, out, [(S0, R), (R, S1)], (S0, S1))
-    assert split == pytest.approx(2 * 32 * 32 * 32 / hw.peak_flops_fp32 + (32 * 32 + 32 * 32 + 32 * 32) * 4 / hw.hbm_bandwidth)
+    assert split == pytest.approx(
+        2 * 32 * 32 * 32 / hw.peak_flops_fp32 + (32 * 32 + 32 * 32 + 32 * 32) * 4 / hw.hbm_bandwidth
+    )
     assert model.compute_time(torch.ops.aten.view.default, (a, [2048]), {}, torch.empty(2048), [(R, R)], (R, R)) == 0.0
 
 
@@ -173,9 +179,11 @@ def test_fixed_specs_yaml_round_trip_and_errors(clean_process_group):
     assert again.in_specs == fixed.in_specs
     tree = auto.solve(traced, mesh, fixed_specs=({"w1": sf.AUTO, "w2": P("tp")}, P("dp")))
     assert tree.in_specs[1:] == [P("tp"), P("dp")]
-    with pytest.raises(ValueError, match=r"fixed_specs: no input at path\(s\) \['params.w9'\]; the inputs are \['params.w1'"):
+    with pytest.raises(ValueError, match=r"fixed_specs: no input at path\(s\) \['params.w9'\]; the inputs are "
+                                         r"\['params.w1'"):
         auto.solve(traced, mesh, fixed_specs={"params.w9": P()}, arg_names=("params", "x"))
-    with pytest.raises(ValueError, match=r"fixed_specs for input '1': P\('dp'\) does not divide its shape \(1, 8, 256\)"):
+    with pytest.raises(ValueError, match=r"fixed_specs for input '1': P\('dp'\) does not divide its shape "
+                                         r"\(1, 8, 256\)"):
         auto.solve(trace(mlp_step, mlp_args(256, 1024, tokens=8)), mesh, fixed_specs={"1": P("dp")})
 
 
@@ -275,26 +283,9 @@ def test_auto_layouts_match_one_device_on_four_ranks():
 
 
 def model_step(name, mesh, overrides=()):
-    """``(train_step, (params, opt_state, batch), param_axes)`` of a packaged config, on fake tensors."""
-    import sys
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from shardfn.config import load_config
-    from shardfn.runtime.partitioned import expert_region, layout
-    from shardfn.runtime.train_step import make_optimizer, make_train_step
-
-    cfg = load_config(name, list(overrides))
-    model = sys.modules[type(cfg.model).__module__]
-    with FakeTensorMode():
-        params = model.init(cfg.model, 0, dtype=torch.bfloat16)
-        opt = make_optimizer(cfg.train, model)
-        opt_state = opt.init(params)
-        shape = (cfg.train.batch_size, cfg.train.seq_len)
-        batch = {"inputs": torch.zeros(shape, dtype=torch.long), "targets": torch.zeros(shape, dtype=torch.long)}
-    experts = expert_region(model, cfg.model, mesh, layout(cfg, model, params, opt_state, mesh))
-    step = make_train_step(model, cfg.model, opt, experts=experts)
-    return step, (params, opt_state, batch), model.param_axes(cfg.model)
+    """``(train_step, (params, opt_state, batch), param_axes)`` of a packaged config, on fake tensors
+    (tests/fixtures.py)."""
+    return fake_train_step(name, overrides, mesh)
 
 
 @pytest.mark.parametrize(

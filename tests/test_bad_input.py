@@ -16,7 +16,6 @@ import shardfn as sf
 from shardfn import P, cli
 from shardfn.config import load_config
 
-
 # ----------------------------------------------------------------------------- config values
 
 # (override, message): keys, types and ranges not already pinned by tests/test_config.py
@@ -190,50 +189,86 @@ def test_jit_needs_a_mesh():
 
 # (argv, message on stderr): every one exits 2, before anything is trained or spawned
 CLI_CASES = {
-    "nproc-not-mesh-size": (["train", "--nproc", "3", "mesh.dp=2"],
-                            r"shardfn train: error: --nproc 3 but the mesh has 2 devices; make them equal"),
-    "runtime.nproc-not-mesh-size": (["train", "runtime.nproc=4", "mesh.dp=2"],
-                                    r"--nproc 4 but the mesh has 2 devices"),
+    "nproc-not-mesh-size": (
+        ["train", "--nproc", "3", "mesh.dp=2"],
+        r"shardfn train: error: --nproc 3 but the mesh has 2 devices; make them equal",
+    ),
+    "runtime.nproc-not-mesh-size": (["train", "runtime.nproc=4", "mesh.dp=2"], r"--nproc 4 but the mesh has 2 devices"),
     "nproc-0": (["train", "--nproc", "0"], r"shardfn train: error: --nproc must be >= 1, got 0"),
-    "trace-without-pp": (["train", "--trace", "tr", "train.steps=1"],
-                         r"shardfn train: error: --trace tr records pipeline schedules: set mesh\.pp > 1"),
-    "train-bad-schedule": (["train", "mesh.pp=2", "pipeline.schedule=bogus"],
-                           r"shardfn train: error: pipeline\.schedule must be one of gpipe, .*got 'bogus'"),
-    "params-unknown-model": (["params", "model.name=gpt"],
-                             r"shardfn params: error: model\.name: unknown model 'gpt'; valid models: llama, moe"),
-    "config-is-a-directory": (["params", "--config", "."], r"config file '\.' not found; .*packaged configs: .*llama_tiny"),
-    "schedule-unknown-name": (["schedule", "--name", "pipedream"],
-                              r"shardfn schedule: error: unknown schedule 'pipedream'; valid names: gpipe, 1f1b"),
+    "trace-without-pp": (
+        ["train", "--trace", "tr", "train.steps=1"],
+        r"shardfn train: error: --trace tr records pipeline schedules: set mesh\.pp > 1",
+    ),
+    "train-bad-schedule": (
+        ["train", "mesh.pp=2", "pipeline.schedule=bogus"],
+        r"shardfn train: error: pipeline\.schedule must be one of gpipe, .*got 'bogus'",
+    ),
+    "params-unknown-model": (
+        ["params", "model.name=gpt"],
+        r"shardfn params: error: model\.name: unknown model 'gpt'; valid models: llama, moe",
+    ),
+    "config-is-a-directory": (
+        ["params", "--config", "."],
+        r"config file '\.' not found; .*packaged configs: "
+        r".*llama_tiny",
+    ),
+    "schedule-unknown-name": (
+        ["schedule", "--name", "pipedream"],
+        r"shardfn schedule: error: unknown schedule 'pipedream'; valid names: gpipe, 1f1b",
+    ),
     "schedule-0-stages": (["schedule", "--stages", "0"], r"1f1b needs n_ranks >= 1 .*\(got n_ranks=0"),
     "schedule-0-microbatches": (["schedule", "--microbatches", "0"], r"got n_ranks=4, n_microbatches=0"),
-    "schedule-virtual-for-1f1b": (["schedule", "--name", "1f1b", "--virtual", "3"],
-                                  r"1f1b has 1 stage\(s\) per rank, got n_virtual=3; for more stages per rank use "
-                                  r"interleaved_1f1b"),
-    "schedule-dualpipev-few-mb": (["schedule", "--name", "dualpipev", "--stages", "4", "--microbatches", "4"],
-                                  r"dualpipev needs n_microbatches >= 2 \* n_ranks .*use n_microbatches=8 or more"),
+    "schedule-virtual-for-1f1b": (
+        ["schedule", "--name", "1f1b", "--virtual", "3"],
+        r"1f1b has 1 stage\(s\) per rank, got n_virtual=3; for more stages per rank use "
+        r"interleaved_1f1b",
+    ),
+    "schedule-dualpipev-few-mb": (
+        ["schedule", "--name", "dualpipev", "--stages", "4", "--microbatches", "4"],
+        r"dualpipev needs n_microbatches >= 2 \* n_ranks .*use n_microbatches=8 or more",
+    ),
     "schedule-costs-kind": (["schedule", "--costs", "X=1"], r"costs has unknown kind 'X'; valid kinds: F, B, I, W"),
     "schedule-costs-negative": (["schedule", "--costs", "F=-1"], r"costs\['F'\] must be > 0, got -1\.0"),
     "schedule-file-missing": (["schedule", "--file", "no/such/schedule.yaml"], r"no/such/schedule\.yaml"),
-    "plan-unknown-hardware": (["plan", "--hardware", "tpu9"],
-                              r"unknown hardware 'tpu9'; valid names are \['b200', .*or pass the path of a YAML file"),
+    "plan-unknown-hardware": (
+        ["plan", "--hardware", "tpu9"],
+        r"unknown hardware 'tpu9'; valid names are \['b200', .*or pass the path of a YAML file",
+    ),
     "plan-search-without-gpus": (["plan", "--search"], r"--search needs --gpus N"),
-    "plan-search-bad-schedule": (["plan", "--search", "--gpus", "4", "--schedules", "1f1b,pipedream"],
-                                 r"--schedules: unknown schedule 'pipedream'; valid: gpipe, 1f1b"),
-    "plan-search-bad-microbatches": (["plan", "--search", "--gpus", "4", "--microbatches", "a,b"],
-                                     r"--microbatches takes comma-separated integers, got 'a,b'"),
-    "plan-gpus-not-mesh-size": (["plan", "--gpus", "8", "mesh.dp=2"],
-                                r"mesh: the mesh pp\*dp\*fsdp\*ep\*tp = 1\*2\*1\*1\*1 = 2 devices but --gpus is 8; "
-                                r"set mesh\.dp=8"),
-    "plan-pp-over-layers": (["plan", "mesh.pp=4"],
-                            r"mesh\.pp: 4 pipeline stages for model\.n_layers = 2 layers; use at most 2"),
-    "plan-ep-batch": (["plan", "--config", "moe_tiny", "mesh.ep=3"],
-                      r"train\.batch_size: 8 is not divisible by the data-parallel size dp\*fsdp\*ep = 3"),
-    "inspect-pp": (["inspect", "mesh.pp=2"], r"shardfn inspect lowers one program; for mesh\.pp > 1 use `shardfn plan`"),
-    "inspect-ep-not-dividing-experts": (["inspect", "--config", "moe_tiny", "mesh.ep=3", "train.batch_size=12"],
-                                        r"mesh\.ep: 3 does not divide model\.n_experts = 8"),
-    "inspect-tp-indivisible": (["inspect", "mesh.tp=3"],
-                               r"input params\.embed: dim 0 of size 256 is not divisible by mesh axes \('tp',\) "
-                               r"\(size 3\)"),
+    "plan-search-bad-schedule": (
+        ["plan", "--search", "--gpus", "4", "--schedules", "1f1b,pipedream"],
+        r"--schedules: unknown schedule 'pipedream'; valid: gpipe, 1f1b",
+    ),
+    "plan-search-bad-microbatches": (
+        ["plan", "--search", "--gpus", "4", "--microbatches", "a,b"],
+        r"--microbatches takes comma-separated integers, got 'a,b'",
+    ),
+    "plan-gpus-not-mesh-size": (
+        ["plan", "--gpus", "8", "mesh.dp=2"],
+        r"mesh: the mesh pp\*dp\*fsdp\*ep\*tp = 1\*2\*1\*1\*1 = 2 devices but --gpus is 8; "
+        r"set mesh\.dp=8",
+    ),
+    "plan-pp-over-layers": (
+        ["plan", "mesh.pp=4"],
+        r"mesh\.pp: 4 pipeline stages for model\.n_layers = 2 layers; use at most 2",
+    ),
+    "plan-ep-batch": (
+        ["plan", "--config", "moe_tiny", "mesh.ep=3"],
+        r"train\.batch_size: 8 is not divisible by the data-parallel size dp\*fsdp\*ep = 3",
+    ),
+    "inspect-pp": (
+        ["inspect", "mesh.pp=2"],
+        r"shardfn inspect lowers one program; for mesh\.pp > 1 use `shardfn plan`",
+    ),
+    "inspect-ep-not-dividing-experts": (
+        ["inspect", "--config", "moe_tiny", "mesh.ep=3", "train.batch_size=12"],
+        r"mesh\.ep: 3 does not divide model\.n_experts = 8",
+    ),
+    "inspect-tp-indivisible": (
+        ["inspect", "mesh.tp=3"],
+        r"input params\.embed: dim 0 of size 256 is not divisible by mesh axes \('tp',\) "
+        r"\(size 3\)",
+    ),
     "inspect-rule-unknown-axis": (["inspect", "rules.embed=xp"], r"rules\.embed: unknown mesh axis 'xp'"),
 }
 
@@ -257,7 +292,8 @@ def _search(pattern, text):
 
 @pytest.mark.parametrize("argv,message", [
     (["train", "--nproc", "x"], r"argument --nproc: invalid int value: 'x'"),
-    (["plan", "--dtype", "float8"], r"argument --dtype: invalid choice: 'float8' \(choose from 'float32', 'bfloat16'\)"),
+    (["plan", "--dtype", "float8"],
+     r"argument --dtype: invalid choice: 'float8' \(choose from 'float32', 'bfloat16'\)"),
 ], ids=["nproc-not-int", "plan-dtype"])
 def test_cli_argparse(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -354,15 +390,31 @@ def _write_dir(d, files: dict):
 
 # (files in the directory, error, message): hf.load of a directory that is not a checkpoint
 HF_DIR_CASES = {
-    "empty-dir": ({}, FileNotFoundError, r"train\.init_from: '.*' holds no \*\.safetensors files "
-                                         r"\(and no model\.safetensors\.index\.json\)"),
+    "empty-dir": (
+        {},
+        FileNotFoundError,
+        r"train\.init_from: '.*' holds no \*\.safetensors files "
+        r"\(and no model\.safetensors\.index\.json\)",
+    ),
     "index-names-a-missing-shard": (
-        {"model.safetensors.index.json": json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}})},
-        FileNotFoundError, r"index\.json maps model\.norm\.weight to model-00001-of-00002\.safetensors, which is not in"),
-    "index-without-weight_map": ({"model.safetensors.index.json": "{}"}, ValueError,
-                                 r"index\.json: not a safetensors index \(a JSON object with a 'weight_map'"),
-    "not-safetensors": ({"model.safetensors": b"garbage"}, ValueError,
-                        r"model\.safetensors: not a readable safetensors file"),
+        {
+            "model.safetensors.index.json": json.dumps(
+                {"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}
+            )
+        },
+        FileNotFoundError,
+        r"index\.json maps model\.norm\.weight to model-00001-of-00002\.safetensors, which is not in",
+    ),
+    "index-without-weight_map": (
+        {"model.safetensors.index.json": "{}"},
+        ValueError,
+        r"index\.json: not a safetensors index \(a JSON object with a 'weight_map'",
+    ),
+    "not-safetensors": (
+        {"model.safetensors": b"garbage"},
+        ValueError,
+        r"model\.safetensors: not a readable safetensors file",
+    ),
 }
 
 
@@ -380,7 +432,8 @@ def test_hf_dir_is_a_file(tmp_path):
     from shardfn.models import hf
 
     (tmp_path / "model.safetensors").write_text("x")
-    with pytest.raises(FileNotFoundError, match=r"is not a directory; give a directory of Hugging Face \*\.safetensors"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"is not a directory; give a directory of Hugging Face \*\.safetensors"):
         hf.load(tmp_path / "model.safetensors", "llama", load_config(None).model)
 
 
@@ -388,7 +441,8 @@ def test_hf_dir_is_a_file(tmp_path):
 HF_CONFIG_CASES = {
     "not-json": ("{bad", r"config\.json: not valid JSON"),
     "disagrees": (json.dumps({"model_type": "llama", "hidden_size": 4096}),
-                  r"config\.json disagrees with the model config: hidden_size=4096 but model\.dim=64; override model\.dim=4096"),
+                  r"config\.json disagrees with the model config: hidden_size=4096 but model\.dim=64; override "
+                  r"model\.dim=4096"),
     "other-model-type": (json.dumps({"model_type": "mistral"}),
                          r"model_type 'mistral' is not a 'llama' model .*set model\.name to match the checkpoint"),
     "rope-scaling": (json.dumps({"model_type": "llama", "rope_scaling": {"type": "llama3"}}),
@@ -432,7 +486,8 @@ def _missing(t):
     (_shape, r"model\.embed_tokens\.weight has shape \(3, 64\), but model 'llama' with this config needs \(256, 64\) "
              r"for embed; check the model\.\* sizes"),
     (_dtype, r"model\.norm\.weight has dtype torch\.int32; parameters are floating point"),
-    (_extra, r"unknown tensor model\.layers\.0\.self_attn\.q_proj\.bias: .*no parameter for it; the models have no biases"),
+    (_extra, r"unknown tensor model\.layers\.0\.self_attn\.q_proj\.bias: .*no parameter for it; the models have no "
+             r"biases"),
     (_missing, r"missing tensor model\.norm\.weight, needed by model 'llama' with model\.n_layers=2"),
 ], ids=["wrong-shape", "int-dtype", "bias", "missing-tensor"])
 def test_hf_tensors(edit, message, llama_hf):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from fixtures import trained_state
 from torch.distributed.tensor import DTensor
 
 from shardfn import models
@@ -20,22 +21,14 @@ from shardfn.runtime import checkpoint as ck
 from shardfn.runtime import data
 from shardfn.runtime.launch import RankFailed, spawn
 from shardfn.runtime.train import train
-from shardfn.runtime.train_step import make_optimizer, make_train_step
+from shardfn.runtime.train_step import make_optimizer
 
 SMALL = ["train.batch_size=4", "train.seq_len=16", "train.log_every=1000", "train.warmup_steps=2"]
 
 
 def _state(config=None, overrides=(), steps=1):
     """``(cfg, params, opt_state)`` after ``steps`` real optimizer steps (every state leaf nonzero)."""
-    cfg = load_config(config, [*SMALL, *overrides])
-    model = models.get(cfg.model_name)
-    params = model.init(cfg.model, cfg.train.seed)
-    opt = make_optimizer(cfg.train, model)
-    state = opt.init(params)
-    step = make_train_step(model, cfg.model, opt)
-    tokens = data.from_config(cfg.data)
-    for s in range(steps):
-        params, state, _ = step(params, state, data.get_batch(tokens, s, batch_size=4, seq_len=16))
+    cfg, _, params, state = trained_state(config, [*SMALL, *overrides], steps=steps)
     return cfg, params, state
 
 
@@ -341,11 +334,14 @@ def _pipeline_resume_worker(config, mesh, d):
     def losses(*overrides):
         return [r["loss"] for r in _run(config, [*PP, *mesh, *overrides]).history]
 
-    return {"straight": losses(),
-            "first_half": losses("train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={d}/pp"),
-            "resumed": losses("train.checkpoint.every=2", f"train.checkpoint.dir={d}/pp", "train.checkpoint.resume=true"),
-            "from_one_device": losses(f"train.checkpoint.dir={d}/one", "train.checkpoint.every=2",
-                                      "train.checkpoint.resume=true")}
+    return {
+        "straight": losses(),
+        "first_half": losses("train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={d}/pp"),
+        "resumed": losses("train.checkpoint.every=2", f"train.checkpoint.dir={d}/pp", "train.checkpoint.resume=true"),
+        "from_one_device": losses(
+            f"train.checkpoint.dir={d}/one", "train.checkpoint.every=2", "train.checkpoint.resume=true"
+        ),
+    }
 
 
 @pytest.mark.parametrize("config,mesh,nproc", [("llama_tiny", ["mesh.pp=2"], 2),
@@ -368,7 +364,8 @@ def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, co
     params = {k: v for k, v in saved.items() if k.startswith("params.")}
     for key, md in params.items():  # the chunks tile each tensor (DCP refuses overlaps)
         assert sum(math.prod(c.sizes) for c in md.chunks) == math.prod(md.size), key
-    assert any(c.offsets[0] > 0 for md in params.values() for c in md.chunks), "layer ranges from both stages"
+    if config == "llama_tiny":  # its two stages split the layers stack; moe_tiny's hold one stack each
+        assert any(c.offsets[0] > 0 for md in params.values() for c in md.chunks), "layer ranges from both stages"
     if "mesh.ep=2" in mesh:
         experts = [md for k, md in params.items() if ".experts." in k]
         assert experts and all({c.offsets[1] for c in md.chunks} == {0, md.size[1] // 2} for md in experts)

@@ -7,57 +7,36 @@ pp2 x dp2, and the results are compared with the same steps on one device (fp32,
 
 import json
 
+import fixtures
 import pytest
 import torch
-import torch.nn.functional as F
+from fixtures import tiny_loss
 
 import shardfn as sf
 from shardfn.core import optim
 from shardfn.core.pytree import tree_leaves
 from shardfn.core.transforms import value_and_grad
-from shardfn.partition.pipeline import build_pipeline, stage_params
-from shardfn.runtime import executor
-from shardfn.runtime.pipeline_step import build_pipeline_step, make_pipeline_step
-from shardfn.runtime.launch import spawn
 from shardfn.partition.schedules import get_schedule
+from shardfn.partition.stages import build_pipeline, stage_params
+from shardfn.runtime import executor
+from shardfn.runtime.launch import spawn
+from shardfn.runtime.pipeline_step import build_pipeline_step, make_pipeline_step
 
-# ------------------------------------------------------------------ a tiny stacked-layer model
+# ------------------------------------------------------------------ a tiny stacked-layer model (tests/fixtures.py)
 
-D, H, V, L, S = 16, 32, 64, 8, 8   # dim, mlp, vocab, layers, sequence
+L, S = 8, 8                        # layers, sequence
 BATCH = 8                          # global rows per step
 CLIP = 0.05                        # below the first steps' gradient norm, so clipping acts
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipev")
-
-
-def rms_norm(x, w):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-
-
-def tiny_loss(p, batch):
-    h = p["embed"][batch["inputs"]]                                  # [B, S, D]
-    for i in range(p["layers"]["w1"].shape[0]):
-        w = {k: v[i] for k, v in p["layers"].items()}
-        x = rms_norm(h, w["norm"])
-        h = h + (F.silu(x @ w["w1"]) * (x @ w["w3"])) @ w["w2"]       # [B, S, D]
-    logits = rms_norm(h, p["norm"]) @ p["head"]                      # [B, S, V]
-    return F.cross_entropy(logits.reshape(-1, V), batch["targets"].reshape(-1))
+D, H = 16, 32                      # tiny_params' dim and hidden size
 
 
 def tiny_params(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g) / s[-2] ** 0.5  # noqa: E731
-    return {
-        "embed": torch.randn(V, D, generator=g),
-        "layers": {"norm": 1 + 0.1 * torch.randn(L, D, generator=g), "w1": r(L, D, H), "w3": r(L, D, H), "w2": r(L, H, D)},
-        "norm": torch.ones(D),
-        "head": r(D, V),
-    }
+    return fixtures.tiny_params(L, seed=seed)
 
 
 def batches(steps):
-    g = torch.Generator().manual_seed(1)
-    return [{"inputs": torch.randint(0, V, (BATCH, S), generator=g),
-             "targets": torch.randint(0, V, (BATCH, S), generator=g)} for _ in range(steps)]
+    return fixtures.tiny_batches(steps, rows=BATCH, seq=S)
 
 
 def make_adamw():
@@ -214,7 +193,9 @@ def _llama_worker(overrides, steps):
     tokens = data.from_config(cfg.data)
     losses = []
     for i in range(steps):
-        batch = data.get_batch(tokens, i, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed)
+        batch = data.get_batch(
+            tokens, i, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
+        )
         local, state, metrics = step(local, state, batch)
         losses.append(metrics["loss"])
     return {"losses": losses, "params": step.gather(local), "stages": step.stages}
@@ -239,7 +220,9 @@ def test_llama_tiny_config_matches_the_one_device_step():
     tokens = data.from_config(cfg.data)
     ref_losses = []
     for i in range(steps):
-        batch = data.get_batch(tokens, i, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed)
+        batch = data.get_batch(
+            tokens, i, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=cfg.train.seed
+        )
         params, state, metrics = train_step(params, state, batch)
         ref_losses.append(metrics["loss"])
     out = spawn(_llama_worker, 2, args=(overrides, steps), timeout_s=240)

@@ -107,10 +107,16 @@ def test_fault_hook_rejects_a_malformed_value(monkeypatch):
 
 def test_blame_prefers_the_dead_rank_over_its_peers_connection_errors():
     closed = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
-    assert launch.blame(2, {}, {0: closed}, {0: 1, 1: -9}, 30) == f"rank 1 died: it was killed by SIGKILL; then rank 0 failed: {closed}"
-    assert launch.blame(2, {}, {}, {0: None, 1: 3}, 30) == "rank 1 died: it exited with code 3 without reporting an error"
+    assert (
+        launch.blame(2, {}, {0: closed}, {0: 1, 1: -9}, 30)
+        == f"rank 1 died: it was killed by SIGKILL; then rank 0 failed: {closed}"
+    )
+    assert (
+        launch.blame(2, {}, {}, {0: None, 1: 3}, 30) == "rank 1 died: it exited with code 3 without reporting an error"
+    )
     own = "ValueError: batch too small\nTraceback ..."
-    assert launch.blame(2, {}, {0: closed, 1: own}, {0: 1, 1: 1}, 30).startswith("rank 1 failed: ValueError: batch too small")
+    assert launch.blame(2, {}, {0: closed, 1: own}, {0: 1, 1: 1}, 30).startswith("rank 1 failed: ValueError: batch "
+                                                                                 "too small")
 
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="the orphan check reads /proc")

@@ -84,8 +84,13 @@ def deepseek_hf_tensors(cfg, seed=0):
                                 ("down_proj", (D, cfg.expert_ffn_dim))):
                 sd[f"{m}experts.{e}.{proj}.weight"] = _rand(g, *shape)
         Fs = cfg.n_shared_experts * cfg.expert_ffn_dim
-        sd.update({m + "shared_experts.gate_proj.weight": _rand(g, Fs, D), m + "shared_experts.up_proj.weight": _rand(g, Fs, D),
-                   m + "shared_experts.down_proj.weight": _rand(g, D, Fs)})
+        sd.update(
+            {
+                m + "shared_experts.gate_proj.weight": _rand(g, Fs, D),
+                m + "shared_experts.up_proj.weight": _rand(g, Fs, D),
+                m + "shared_experts.down_proj.weight": _rand(g, D, Fs),
+            }
+        )
     return sd
 
 
@@ -221,7 +226,9 @@ def test_deepseek_hand_named_checkpoint_matches_an_hf_convention_forward(tmp_pat
     experts = params["moe_layers"]["experts"]
     assert experts["w1"].shape == (2, 4, 32, 16) and experts["w2"].shape == (2, 4, 16, 32)
     torch.testing.assert_close(experts["w2"][1, 3], sd["model.layers.2.mlp.experts.3.down_proj.weight"].T)
-    torch.testing.assert_close(params["moe_layers"]["router_bias"][0], sd["model.layers.1.mlp.gate.e_score_correction_bias"])
+    torch.testing.assert_close(
+        params["moe_layers"]["router_bias"][0], sd["model.layers.1.mlp.gate.e_score_correction_bias"]
+    )
 
 
 def test_rope_interleave_false_loads_rows_as_they_are(tmp_path):
@@ -230,7 +237,9 @@ def test_rope_interleave_false_loads_rows_as_they_are(tmp_path):
     d = _write(tmp_path / "ds", sd)
     (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "rope_interleave": False}))
     plain = hf.load(d, "moe", cfg)
-    torch.testing.assert_close(plain["moe_layers"]["attn"]["wkv_a"][0], sd["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].T)
+    torch.testing.assert_close(
+        plain["moe_layers"]["attn"]["wkv_a"][0], sd["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].T
+    )
     interleaved = hf.from_hf(sd, "moe", cfg)
     assert not torch.equal(plain["moe_layers"]["attn"]["wkv_a"], interleaved["moe_layers"]["attn"]["wkv_a"])
 

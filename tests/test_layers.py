@@ -19,12 +19,18 @@ def test_linear_embedding_rms_norm_swiglu():
     x, w, b = torch.randn(2, 3, 4, generator=g), torch.randn(4, 5, generator=g), torch.randn(5, generator=g)
     torch.testing.assert_close(L.linear(x, w, b), torch.einsum("bsi,io->bso", x, w) + b)
     table = torch.randn(10, 4, generator=g)
-    torch.testing.assert_close(L.embedding(table, torch.tensor([[3, 0], [9, 3]])), torch.stack([table[[3, 0]], table[[9, 3]]]))
+    torch.testing.assert_close(
+        L.embedding(table, torch.tensor([[3, 0], [9, 3]])), torch.stack([table[[3, 0]], table[[9, 3]]])
+    )
     scale = torch.randn(4, generator=g)
     rms = torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-6)
     torch.testing.assert_close(L.rms_norm(x, scale, 1e-6), x / rms * scale)
     assert L.rms_norm(x.bfloat16(), scale.bfloat16()).dtype == torch.bfloat16
-    p = {"w1": torch.randn(4, 6, generator=g), "w3": torch.randn(4, 6, generator=g), "w2": torch.randn(6, 4, generator=g)}
+    p = {
+        "w1": torch.randn(4, 6, generator=g),
+        "w3": torch.randn(4, 6, generator=g),
+        "w2": torch.randn(6, 4, generator=g),
+    }
     h = (x @ p["w1"]) * torch.sigmoid(x @ p["w1"]) * (x @ p["w3"])
     torch.testing.assert_close(L.swiglu(p, x), h @ p["w2"])
 
@@ -70,8 +76,14 @@ def test_attention_matches_naive_softmax(n_kv_heads, causal):
 
 def test_attention_with_distinct_value_dim_and_scale():
     g = gen(5)
-    q, k, v = torch.randn(1, 2, 5, 12, generator=g), torch.randn(1, 2, 5, 12, generator=g), torch.randn(1, 2, 5, 4, generator=g)
-    torch.testing.assert_close(L.attention(q, k, v, scale=0.3), naive_attention(q, k, v, True, 0.3), rtol=1e-5, atol=1e-5)
+    q, k, v = (
+        torch.randn(1, 2, 5, 12, generator=g),
+        torch.randn(1, 2, 5, 12, generator=g),
+        torch.randn(1, 2, 5, 4, generator=g),
+    )
+    torch.testing.assert_close(
+        L.attention(q, k, v, scale=0.3), naive_attention(q, k, v, True, 0.3), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_gqa_attention_traces_to_fused_kernel_under_grad():

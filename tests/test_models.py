@@ -228,7 +228,9 @@ def pairs(ref, c, kind):
             for e, expert in enumerate(ffn.experts):
                 out += [(f"{stack}.experts.{w}", li, e, getattr(expert, w).weight, True) for w in ("w1", "w2", "w3")]
             if ffn.shared is not None:
-                out += [(f"{stack}.shared.{w}", li, None, getattr(ffn.shared, w).weight, True) for w in ("w1", "w2", "w3")]
+                out += [
+                    (f"{stack}.shared.{w}", li, None, getattr(ffn.shared, w).weight, True) for w in ("w1", "w2", "w3")
+                ]
         else:
             out += [(f"{stack}.mlp.{w}", li, None, getattr(ffn, w).weight, True) for w in ("w1", "w2", "w3")]
     return out
@@ -314,7 +316,9 @@ def test_gradients_match_reference_autograd(kind, name):
     for path, li, e, p, transposed in mapping:
         want = p.grad if p.grad is not None else torch.zeros_like(p)
         got = leaf(grads, path, li, e)
-        torch.testing.assert_close(got, want.t() if transposed else want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{path}: {m}")
+        torch.testing.assert_close(
+            got, want.t() if transposed else want, rtol=1e-4, atol=1e-5, msg=lambda m: f"{path}: {m}"
+        )
     if kind == "moe":
         assert torch.count_nonzero(grads["moe_layers"]["router_bias"]) == 0
 
@@ -389,6 +393,8 @@ def test_loss_gradient_traces_with_fake_tensors_and_no_host_sync(kind, name):
     assert "_local_scalar_dense" not in str(graph.graph)
     (grads, value), (want_grads, want) = graph(params, batch), fn(params, batch)
     torch.testing.assert_close(value, want)
+    for a, b in zip(tree_leaves(grads), tree_leaves(want_grads), strict=True):
+        torch.testing.assert_close(a, b)
 
 
 # ----------------------------------------------------------------------------- structure

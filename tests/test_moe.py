@@ -10,7 +10,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from shardfn.core import moe
 from shardfn.core.grouped_mm import alignment, grouped_mm
 
-
 # ----------------------------------------------------------------------------- grouped_mm
 
 
@@ -292,7 +291,11 @@ def test_dispatch_combine_roundtrip_and_expert_compute_seam():
     torch.testing.assert_close(x_sorted, x[d.token])
     ones = torch.ones(6, 2)
     torch.testing.assert_close(moe.combine(x_sorted, d, ones), 2 * x)  # identity experts, weight 1, k=2
-    w1, w2, w3 = (torch.randn(4, 8, 4, generator=g), torch.randn(4, 4, 8, generator=g), torch.randn(4, 8, 4, generator=g))
+    w1, w2, w3 = (
+        torch.randn(4, 8, 4, generator=g),
+        torch.randn(4, 4, 8, generator=g),
+        torch.randn(4, 8, 4, generator=g),
+    )
     y = moe.expert_compute(x_sorted, d.counts, w1, w2, w3)
     for row in range(12):
         e = int(experts_of_rows[row])

@@ -27,7 +27,11 @@ def make_inputs(routing: str):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(T, D, generator=g)
     w_router = torch.randn(D, E, generator=g)
-    experts = [torch.randn(E, D, H, generator=g) * 0.2, torch.randn(E, H, D, generator=g) * 0.2, torch.randn(E, D, H, generator=g) * 0.2]
+    experts = [
+        torch.randn(E, D, H, generator=g) * 0.2,
+        torch.randn(E, H, D, generator=g) * 0.2,
+        torch.randn(E, D, H, generator=g) * 0.2,
+    ]
     return x, w_router, experts
 
 
@@ -61,17 +65,17 @@ def _worker(routing, ep, dp):
         return routed(x, idx, weights, params["w1"], params["w2"], params["w3"]).pow(2).mean()
 
     def step(params, x):
-        l, g = torch.func.grad_and_value(loss)(params, x)[::-1]
-        return l, g
+        value, g = torch.func.grad_and_value(loss)(params, x)[::-1]
+        return value, g
 
     params = {"router": w_router, "w1": experts[0], "w2": experts[1], "w3": experts[2]}
     tok = P(data_axes) if len(data_axes) > 1 else P(data_axes[0])
     specs = {"router": P(), "w1": P("ep"), "w2": P("ep"), "w3": P("ep")}
     jitted = sf.jit(step, mesh, in_specs=(specs, tok), out_specs=(P(), specs), backend=None)
-    l, g = jitted(params, x)
+    value, g = jitted(params, x)
     stats = list(routed.exchange.stats)
     jitted(params, x)  # each call records its own exchanges: none pile up, layers keep their numbers
-    return {"loss": l.full_tensor(), "grads": {k: v.full_tensor() for k, v in g.items()},
+    return {"loss": value.full_tensor(), "grads": {k: v.full_tensor() for k, v in g.items()},
             "stats": stats, "again": list(routed.exchange.stats), "comm": jitted.lower(params, x).comm_report()}
 
 
@@ -84,9 +88,9 @@ def reference(routing):
         idx, weights = route_static(x, params["router"])
         return naive_moe(x, idx, weights, params["w1"], params["w2"], params["w3"]).pow(2).mean()
 
-    grads, l = torch.func.grad_and_value(loss)(params, x)
+    grads, value = torch.func.grad_and_value(loss)(params, x)
     idx, _ = route_static(x, w_router)
-    return l, grads, idx
+    return value, grads, idx
 
 
 def expected_bytes(idx, ep, dp, rank):
@@ -101,7 +105,8 @@ def expected_bytes(idx, ep, dp, rank):
     return sent * D * 4, received * D * 4
 
 
-@pytest.mark.parametrize("routing,ep,dp", [("random", 2, 1), ("one_expert", 2, 1), ("skip_expert", 4, 1), ("random", 2, 2)])
+@pytest.mark.parametrize("routing,ep,dp",
+                         [("random", 2, 1), ("one_expert", 2, 1), ("skip_expert", 4, 1), ("random", 2, 2)])
 def test_expert_parallel_matches_naive_loop(routing, ep, dp):
     ref_loss, ref_grads, idx = reference(routing)
     outs = spawn(_worker, ep * dp, args=(routing, ep, dp), timeout_s=180)
@@ -124,7 +129,11 @@ def _shared_capacity_worker(capacity_factor):
     mesh = sf.Mesh({"ep": 2})
     x, w_router, experts = make_inputs("random")
     g = torch.Generator().manual_seed(5)
-    shared = [torch.randn(D, H, generator=g) * 0.2, torch.randn(H, D, generator=g) * 0.2, torch.randn(D, H, generator=g) * 0.2]
+    shared = [
+        torch.randn(D, H, generator=g) * 0.2,
+        torch.randn(H, D, generator=g) * 0.2,
+        torch.randn(D, H, generator=g) * 0.2,
+    ]
     routed = moe_dispatch.ExpertRegion(mesh, ("ep",), "ep", E, capacity_factor=capacity_factor, shared=True)
 
     def loss(params, x):
@@ -137,8 +146,8 @@ def _shared_capacity_worker(capacity_factor):
     specs = {"router": P(), "w1": P("ep"), "w2": P("ep"), "w3": P("ep"), "s1": P(), "s2": P(), "s3": P()}
     step = sf.jit(lambda p, x: torch.func.grad_and_value(loss)(p, x)[::-1], mesh,
                   in_specs=(specs, P("ep")), out_specs=(P(), specs), backend=None)
-    l, grads = step(params, x)
-    return {"loss": l.full_tensor(), "grads": {k: v.full_tensor() for k, v in grads.items()},
+    value, grads = step(params, x)
+    return {"loss": value.full_tensor(), "grads": {k: v.full_tensor() for k, v in grads.items()},
             "stats": list(routed.exchange.stats), "params": params}
 
 
@@ -151,8 +160,8 @@ def _shared_reference(params, x, keep=None):
         y = y + (F.silu(x @ p["s1"]) * (x @ p["s3"])) @ p["s2"]
         return y.pow(2).mean()
 
-    grads, l = torch.func.grad_and_value(loss)(params, x)
-    return l, grads
+    grads, value = torch.func.grad_and_value(loss)(params, x)
+    return value, grads
 
 
 def test_shared_experts_overlap_and_large_capacity_equal_dropless():

@@ -2,8 +2,8 @@
 all-to-all bytes of each MoE layer against the routing decisions of the step."""
 
 import pytest
-
 from parity import assert_matches, reference, run_layout
+
 from shardfn.config import resolve_path
 
 MOE = str(resolve_path("moe_tiny"))

@@ -91,7 +91,8 @@ def test_skip_keeps_training_and_matches_a_replay(tmp_path):
 
 def test_raise_names_the_step_and_value(tmp_path):
     overrides, _, bad = poisoned_run(tmp_path)
-    with pytest.raises(FloatingPointError, match=rf"step {bad[0] + 1}: loss is nan, grad_norm is nan; .*train\.nonfinite=skip"):
+    with pytest.raises(FloatingPointError, match=rf"step {bad[0] + 1}: loss is nan, grad_norm is nan; "
+                                                 rf".*train\.nonfinite=skip"):
         train(load_config(None, overrides), log=lambda line: None)
 
 

@@ -78,7 +78,10 @@ def test_adamw_with_schedule_matches_lambda_lr():
     peak, sched = 3e-2, optim.warmup_cosine(3e-2, warmup_steps=2, total_steps=5, min_ratio=0.1)
     ours, state = _run_functional(optim.adamw(sched, 0.9, 0.999, 1e-8, weight_decay=0.05), params, 5)
     theirs = _run_torch(
-        params, 5, lambda ps: torch.optim.AdamW(ps, lr=peak, weight_decay=0.05), schedule=lambda s: float(sched(s)) / peak
+        params,
+        5,
+        lambda ps: torch.optim.AdamW(ps, lr=peak, weight_decay=0.05),
+        schedule=lambda s: float(sched(s)) / peak,
     )
     _assert_close(ours, theirs)
     # The state records the lr of the latest update (step 4 of a 5-step schedule).
@@ -185,7 +188,9 @@ def test_warmup_cosine_rejects_bad_ratio():
 
 
 def _step_fn():
-    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 2, 10, 0.1), weight_decay=0.1))
+    opt = optim.chain(
+        optim.clip_by_global_norm(1.0), optim.adamw(optim.warmup_cosine(1e-2, 2, 10, 0.1), weight_decay=0.1)
+    )
 
     def loss(p, x):
         return torch.tanh(x @ p["embed"]).sum() + (p["layers"]["w"] ** 2).sum() + p["bias"].sum()

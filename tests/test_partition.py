@@ -3,13 +3,13 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 import shardfn as sf
 from shardfn import P
 from shardfn.partition.propagate import ShardingError
 from shardfn.partition.spec import broadcast_specs, to_placements
 from shardfn.runtime.launch import spawn
-from torch.distributed.tensor import Replicate, Shard
 
 # ------------------------------------------------------------------ a two-matmul MLP train step
 
@@ -169,7 +169,8 @@ def test_conflicting_constrain(fake_mesh):
     def fn(x):
         return sf.constrain(x, P("dp")) + sf.constrain(x, P(None, "dp"))
 
-    with pytest.raises(ShardingError, match=r"conflicting constraints on graph node 'arg0_1'.*P\('dp'\).*P\(None, 'dp'\)"):
+    with pytest.raises(ShardingError, match=r"conflicting constraints on graph node 'arg0_1'.*P\('dp'\).*P\(None, "
+                                            r"'dp'\)"):
         sf.jit(fn, fake_mesh, in_specs=P()).lower(torch.zeros(4, 4))
 
 
@@ -208,7 +209,9 @@ def test_as_text_shows_placements_and_collectives(fake_mesh):
     def fn(w, x):
         return (x @ w).sum()
 
-    text = sf.jit(fn, fake_mesh, in_specs=(P("tp"), P(None, "tp"))).lower(torch.zeros(4, 4), torch.zeros(2, 4)).as_text()
+    text = (
+        sf.jit(fn, fake_mesh, in_specs=(P("tp"), P(None, "tp"))).lower(torch.zeros(4, 4), torch.zeros(2, 4)).as_text()
+    )
     assert "input 0 [4, 4] : tp:S(0)" in text
     assert "tp:P(sum)" in text
     assert "^ all_reduce[tp]" in text
@@ -220,6 +223,8 @@ def test_constrain_inside_a_differentiated_function(fake_mesh):
     def loss_grad(w, x):
         return torch.func.grad(lambda w: (sf.constrain(x @ w, P("dp", "tp")) ** 2).sum())(w)
 
-    lowered = sf.jit(loss_grad, fake_mesh, in_specs=(P(), P()), out_specs=P()).lower(torch.zeros(4, 4), torch.zeros(4, 4))
+    lowered = sf.jit(loss_grad, fake_mesh, in_specs=(P(), P()), out_specs=P()).lower(
+        torch.zeros(4, 4), torch.zeros(4, 4)
+    )
     constrained = [line for line in lowered.as_text().splitlines() if "shardfn.constrain" in line]
     assert len(constrained) == 2 and all(line.endswith("dp:S(0) tp:S(1)") for line in constrained)

@@ -3,9 +3,9 @@ and collective bytes against the textbook layouts (on a fake mesh, in this proce
 
 import pytest
 import torch
+from parity import assert_matches, layout_worker, reference, setup
 
 import shardfn as sf
-from parity import assert_matches, layout_worker, reference, setup
 from shardfn import P
 from shardfn.core.pytree import flatten_with_paths, size_bytes
 from shardfn.runtime.launch import spawn
@@ -84,7 +84,11 @@ def test_tp2_one_block_is_megatron(clean_process_group):
 
 def test_fsdp2_gathers_every_param_forward_and_backward_and_reduce_scatters_grads(planner):
     cfg, model, params, specs, lowered = planner(["mesh.fsdp=2"])
-    sharded = {path for path, s in flatten_with_paths(specs["params"], is_leaf=lambda x: isinstance(x, P)) if "fsdp" in s.axes()}
+    sharded = {
+        path
+        for path, s in flatten_with_paths(specs["params"], is_leaf=lambda x: isinstance(x, P))
+        if "fsdp" in s.axes()
+    }
     by_path = dict(flatten_with_paths(params))
     sharded_bytes = sum(by_path[p].numel() * 4 for p in sharded)
     embed_bytes = by_path["embed"].numel() * 4

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn.core.pytree import tree_leaves
-from shardfn.partition import pipeline as pl
-from shardfn.partition.pipeline import PipelineError, build_pipeline, merge_params, stage_params
+from shardfn.partition import flops
+from shardfn.partition import fx as fxh
+from shardfn.partition import stages as pl
+from shardfn.partition.stages import PipelineError, build_pipeline, merge_params, stage_params
 
 D, H, V, S = 8, 16, 32, 4
 
@@ -50,7 +52,10 @@ def tiny_params(n_layers, seed=0):
 
 def tiny_batch(rows=2, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return {"inputs": torch.randint(0, V, (rows, S), generator=g), "targets": torch.randint(0, V, (rows, S), generator=g)}
+    return {
+        "inputs": torch.randint(0, V, (rows, S), generator=g),
+        "targets": torch.randint(0, V, (rows, S), generator=g),
+    }
 
 
 def run_stages(pipe, params, batch, dy_scale=1.0):
@@ -119,8 +124,8 @@ def test_balanced_split_of_equal_layers():
 
 
 def test_more_stages_than_cut_points_names_the_config_key():
-    with pytest.raises(PipelineError, match=r"into 12 pipeline stages: its loss has only \d+ valid cut points.*"
-                                            r"lower pipeline.stages \(or mesh.pp\) to \d+ or fewer"):
+    with pytest.raises(PipelineError, match=r"into 12 pipeline stages: its loss has only 2 layers \(a stage holds "
+                                            r"whole layers\).*lower pipeline.stages \(or mesh.pp\) to 2 or fewer"):
         build_pipeline(tiny_loss, tiny_params(2), tiny_batch(), 12)
 
 
@@ -134,7 +139,8 @@ def test_markers_fix_the_cuts():
     pipe = build_pipeline(loss, tiny_params(6), tiny_batch())
     assert pipe.n_stages == 3
     assert [s.layer_ranges["layers.w1"] for s in pipe.stages] == [(0, 2), (2, 4), (4, 6)]
-    with pytest.raises(PipelineError, match=r"2 sf.pipeline_split markers \(3 stages\) but 2 stages.*pipeline.stages to 3"):
+    with pytest.raises(PipelineError, match=r"2 sf.pipeline_split markers \(3 stages\) but 2 stages.*pipeline.stages "
+                                            r"to 3"):
         build_pipeline(loss, tiny_params(6), tiny_batch(), 2)
 
 
@@ -240,18 +246,20 @@ def test_extract_subgraph():
 
     gm = fx.symbolic_trace(f)
     nodes = {n.name: n for n in gm.graph.nodes}
-    sub = pl.extract_subgraph(gm, [nodes["matmul"], nodes["relu"]], [nodes["x"], nodes["w"]], [nodes["relu"], nodes["x"]])
+    sub = fxh.extract_subgraph(
+        gm, [nodes["matmul"], nodes["relu"]], [nodes["x"], nodes["w"]], [nodes["relu"], nodes["x"]]
+    )
     x, w = torch.randn(2, 3), torch.randn(3, 4)
     relu, x_out = sub(x, w)
     assert torch.equal(relu, torch.relu(x @ w)) and x_out is x
     with pytest.raises(AssertionError, match="neither an input nor in the subgraph"):
-        pl.extract_subgraph(gm, [nodes["relu"]], [nodes["x"]], [nodes["relu"]])
+        fxh.extract_subgraph(gm, [nodes["relu"]], [nodes["x"]], [nodes["relu"]])
 
 
 def test_node_flops_of_a_matmul():
     traced = pl.trace_loss(tiny_loss, tiny_params(1), tiny_batch())
     mms = [n for n in traced.graph_module.graph.nodes if n.target is torch.ops.aten.mm.default]
-    assert pl.node_flops(mms[0]) == 2 * (2 * S) * D * H       # [8, 8] @ [8, 16]
+    assert flops.node_flops(mms[0]) == 2 * (2 * S) * D * H       # [8, 8] @ [8, 16]
 
 
 def test_llama_tiny_split_matches_the_model():
@@ -263,7 +271,7 @@ def test_llama_tiny_split_matches_the_model():
              "targets": torch.randint(0, cfg.vocab_size, (2, 8), generator=g)}
     loss_fn = lambda p, b: llama.loss(p, b, cfg)  # noqa: E731
     pipe = build_pipeline(loss_fn, params, batch, 2)
-    # the balanced cut falls inside layer 1 (after its attention): each leaf's layers are held once
+    # stages hold whole layers (the cut is between layer 0 and layer 1): each leaf's layers are held once
     for path, spec in pipe.param_specs.items():
         held = [pipe.stages[s].layer_ranges.get(path, (0, spec.shape[0])) for s in pipe.owner[path]]
         assert sum(b - a for a, b in held) == spec.shape[0], path

@@ -2,19 +2,17 @@
 refusals that name the config key, per-layer scaling against a whole-model trace, and a plan
 that agrees with what a real run on gloo ranks measures."""
 
+import importlib
 import json
 
 import pytest
 
+from shardfn import plan as pl
 from shardfn.config import load_config
 from shardfn.core.pytree import flatten_with_paths
-import importlib
-
-from shardfn import plan as pl
-from shardfn.plan import inventory
+from shardfn.plan import Layout, PlanError, inventory
 
 plan_search = importlib.import_module("shardfn.plan.search")  # the module (shardfn.plan.search is the function)
-from shardfn.plan import Layout, PlanError
 
 F32 = 4
 # Optimizer scalars: AdamW's and the schedule's int32 step counters, the learning rate and the
@@ -51,24 +49,36 @@ def layer_params(d, *, tp, fsdp, ep, moe):
 
 
 def rank_params(d, *, tp=1, fsdp=1, ep=1, dense, moe, first, last):
-    n = dense * layer_params(d, tp=tp, fsdp=fsdp, ep=ep, moe=False) + moe * layer_params(d, tp=tp, fsdp=fsdp, ep=ep, moe=True)
+    n = dense * layer_params(d, tp=tp, fsdp=fsdp, ep=ep, moe=False) + moe * layer_params(
+        d, tp=tp, fsdp=fsdp, ep=ep, moe=True
+    )
     vocab = d["V"] // tp * (d["D"] // fsdp)                  # embed [V, D] and out [D, V]
     return n + first * vocab + last * (vocab + d["D"])       # the last stage also holds the final norm
 
 
 # (config, layout, closed-form kwargs of pipeline rank 0)
 CASES = {
-    "deepseek-v3 ep64 dp2": ("deepseek_v3_671b", Layout(dp=2, ep=64),
-                             dict(ep=64, dense=3, moe=58, first=1, last=1)),
-    "deepseek-v3 pp16 ep64 dp2 1f1b": ("deepseek_v3_671b", Layout(pp=16, dp=2, ep=64, microbatches=40),
-                                       dict(ep=64, dense=3, moe=1, first=1, last=0)),  # 61 = 13 x 4 + 3 x 3 layers
-    "deepseek-v3 pp4 tp8 fsdp4 ep8": ("deepseek_v3_671b", Layout(pp=4, fsdp=4, ep=8, tp=8, microbatches=8),
-                                      dict(tp=8, fsdp=4, ep=8, dense=3, moe=13, first=1, last=0)),  # 16 layers
-    "kimi-k2 pp16x2 ep16 dp8 interleaved": ("kimi_k2_1t", Layout(pp=16, dp=8, ep=16, microbatches=32,
-                                                                 schedule="interleaved_1f1b"),
-                                            dict(ep=16, dense=1, moe=3, first=1, last=0)),  # stages 0 and 16: 2 + 2 layers
-    "kimi-k2 tp8 fsdp8 ep16": ("kimi_k2_1t", Layout(fsdp=8, ep=16, tp=8), dict(tp=8, fsdp=8, ep=16, dense=1, moe=60,
-                                                                                first=1, last=1)),
+    "deepseek-v3 ep64 dp2": ("deepseek_v3_671b", Layout(dp=2, ep=64), dict(ep=64, dense=3, moe=58, first=1, last=1)),
+    "deepseek-v3 pp16 ep64 dp2 1f1b": (
+        "deepseek_v3_671b",
+        Layout(pp=16, dp=2, ep=64, microbatches=40),
+        dict(ep=64, dense=3, moe=1, first=1, last=0),
+    ),  # 61 = 13 x 4 + 3 x 3 layers
+    "deepseek-v3 pp4 tp8 fsdp4 ep8": (
+        "deepseek_v3_671b",
+        Layout(pp=4, fsdp=4, ep=8, tp=8, microbatches=8),
+        dict(tp=8, fsdp=4, ep=8, dense=3, moe=13, first=1, last=0),
+    ),  # 16 layers
+    "kimi-k2 pp16x2 ep16 dp8 interleaved": (
+        "kimi_k2_1t",
+        Layout(pp=16, dp=8, ep=16, microbatches=32, schedule="interleaved_1f1b"),
+        dict(ep=16, dense=1, moe=3, first=1, last=0),
+    ),  # stages 0 and 16: 2 + 2 layers
+    "kimi-k2 tp8 fsdp8 ep16": (
+        "kimi_k2_1t",
+        Layout(fsdp=8, ep=16, tp=8),
+        dict(tp=8, fsdp=8, ep=16, dense=1, moe=60, first=1, last=1),
+    ),
 }
 
 
@@ -100,12 +110,46 @@ def test_bytes_over_all_ranks_add_up_to_the_model():
 # ------------------------------------------------------------------ stages and schedules
 
 
-def test_stage_layers_are_contiguous_and_even():
-    assert pl.stage_layers(61, 16)[:2] == [(0, 4), (4, 8)]
-    assert pl.stage_layers(61, 16)[-1] == (58, 61)
-    assert sum(b - a for a, b in pl.stage_layers(61, 32)) == 61
-    with pytest.raises(ValueError):
-        pl.stage_layers(3, 4)
+def test_stage_ranges_tile_the_layers_balanced_by_cost():
+    kimi = pl.stage_ranges(load_config("kimi_k2_1t"), Layout(pp=16, ep=64, microbatches=32))
+    assert kimi[0][0] == 0 and kimi[-1][1] == 61 and all(a[1] == b[0] for a, b in zip(kimi[:-1], kimi[1:]))
+    assert kimi[-1] == (60, 61)   # the output head (vocab 163,840) costs about three layers: the last stage has one
+    # DeepSeek-V3's per-layer balance loss reaches the final loss, so there is no cut between layers:
+    # the plan splits by layer count (61 = 13 x 4 + 3 x 3) and says so
+    assert pl.stage_ranges(load_config("deepseek_v3_671b"), Layout(pp=16, ep=64, microbatches=16))[:2] == [
+        (0, 4),
+        (4, 8),
+    ]
+
+
+@pytest.mark.parametrize("config,n_layers,pp", [("llama_tiny", 4, 2), ("llama_tiny", 5, 3), ("moe_tiny", 4, 2)])
+def test_the_planned_split_is_the_split_that_runs(config, n_layers, pp):
+    """The planner and the pipeline runtime ask the same functions (partition.stages): their stages hold
+    the same layers."""
+    import torch
+
+    from shardfn import models
+    from shardfn.partition.stages import build_pipeline
+
+    cfg = load_config(config, [f"model.n_layers={n_layers}", f"mesh.pp={pp}", "train.batch_size=8",
+                               "train.seq_len=16", "pipeline.microbatches=2"])
+    model = models.get(cfg.model_name)
+    planned = pl.stage_ranges(cfg, Layout.from_config(cfg))
+    rows = cfg.train.batch_size // cfg.pipeline.microbatches
+    tokens = torch.zeros(rows, cfg.train.seq_len, dtype=torch.long)
+    pipe = build_pipeline(lambda p, b: model.loss(p, b, cfg.model), model.init(cfg.model, 0),
+                          {"inputs": tokens, "targets": tokens}, pp, split=())
+    offsets, start = {}, 0
+    for stack, n in model.stacks(cfg.model):
+        offsets[stack] = start
+        start += n
+    ran = []
+    for st in pipe.stages:  # a stacked leaf held whole (one stage uses it) has no layer range
+        held = sorted((offsets[stack] + a, offsets[stack] + b) for path in st.param_paths
+                      if (stack := path.split(".")[0]) in offsets
+                      for a, b in [st.layer_ranges.get(path, (0, pipe.param_specs[path].shape[0]))])
+        ran.append((held[0][0], held[-1][1]))
+    assert ran == planned
 
 
 def test_interleaved_ranks_hold_two_stages():
@@ -134,7 +178,8 @@ def test_refusals_name_the_key(layout, gpus, key, words):
     assert str(err.value).startswith(f"{key}: ") and words in str(err.value)
 
 
-@pytest.mark.parametrize("override,key,words", [("mesh.tp=3", "mesh.tp", "n_heads"), ("mesh.pp=62", "mesh.pp", "n_layers")])
+@pytest.mark.parametrize("override,key,words",
+                         [("mesh.tp=3", "mesh.tp", "n_heads"), ("mesh.pp=62", "mesh.pp", "n_layers")])
 def test_cli_refusal_exits_2_naming_the_axis(override, key, words, capsys):
     from shardfn import cli
 
@@ -196,7 +241,8 @@ def test_search_ranks_fitting_layouts_and_refuses_with_keys(clean_process_group)
 # ------------------------------------------------------------------ plan vs a real run on gloo ranks
 
 
-@pytest.mark.parametrize("mesh", [["mesh.dp=2", "mesh.ep=2"], ["mesh.fsdp=2", "mesh.ep=2"]], ids=["dp2xep2", "fsdp2xep2"])
+@pytest.mark.parametrize("mesh", [["mesh.dp=2", "mesh.ep=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
+                         ids=["dp2xep2", "fsdp2xep2"])
 def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
     from parity import BASE, run_layout
 

@@ -9,9 +9,26 @@ import pytest
 
 from shardfn.cli import schedule as schedule_cli
 from shardfn.partition.schedules import (
-    SCHEDULES, Action, Schedule, ScheduleError, add_communication, dualpipev, dump_schedule,
-    format_table, format_timeline, get_schedule, gpipe, group_steps, interleaved_1f1b,
-    load_schedule, one_f_one_b, parse_action, simulate, stage_to_rank_map, validate, zbh1,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    add_communication,
+    dualpipev,
+    dump_schedule,
+    format_table,
+    format_timeline,
+    get_schedule,
+    gpipe,
+    group_steps,
+    interleaved_1f1b,
+    load_schedule,
+    one_f_one_b,
+    parse_action,
+    simulate,
+    stage_to_rank_map,
+    validate,
+    zbh1,
 )
 
 SIZES = [(2, 2), (2, 4), (2, 5), (4, 4), (4, 8), (4, 12), (8, 16)]
@@ -236,17 +253,23 @@ def test_compute_only_cycle_is_a_deadlock():
 
 
 def test_duplicate_missing_and_misplaced_actions():
-    check_error(["F0@s0 F0@s0 B0@s0", "F0@s1 B0@s1"], r"^rank 0 step 1: F\(stage=0, mb=0\) is a duplicate \(first at step 0\)",
+    check_error(["F0@s0 F0@s0 B0@s0", "F0@s1 B0@s1"], r"^rank 0 step 1: F\(stage=0, mb=0\) is a duplicate \(first at "
+                                                      r"step 0\)",
                 rank=0, step=1)
     check_error(["F0@s0 B0@s0", "F0@s1 I0@s1"], r"^rank 1: W\(stage=1, mb=0\) is missing", rank=1, step=None)
     check_error(["F0@s0 F1@s0 B0@s0 B1@s0", "F0@s1 B0@s1"], r"^rank 1: F\(stage=1, mb=1\) is missing",
                 rank=1, step=None, m=2)
-    check_error(["F0@s0 B0@s0 F0@s1", "B0@s1"], r"^rank 0 step 2: F\(stage=1, mb=0\) is on rank 0, but stage 1 lives on rank 1",
+    check_error(["F0@s0 B0@s0 F0@s1", "B0@s1"], r"^rank 0 step 2: F\(stage=1, mb=0\) is on rank 0, but stage 1 lives "
+                                                r"on rank 1",
                 rank=0, step=2)
     check_error(["B0@s0", "F0@s1 B0@s1"], r"^rank 0 step 0: B\(stage=0, mb=0\) needs F\(stage=0, mb=0\) "
                 r"before it, and rank 0 never runs it", rank=0, step=0)
-    check_error(["F0@s0 B0@s0 W0@s0", "F0@s1 B0@s1"], r"^rank 0 step 2: W\(stage=0, mb=0\) but the backward is a full B",
-                rank=0, step=2)
+    check_error(
+        ["F0@s0 B0@s0 W0@s0", "F0@s1 B0@s1"],
+        r"^rank 0 step 2: W\(stage=0, mb=0\) but the backward is a full B",
+        rank=0,
+        step=2,
+    )
     check_error(["F0@s0 SEND_F0@s0 B0@s0", "F0@s1 B0@s1"], r"is not needed: stages 0 and 1 both live on rank 0",
                 rank=0, step=1, s2r=(0, 0))
 

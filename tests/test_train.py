@@ -8,8 +8,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn import models
-from shardfn.core import optim
 from shardfn.config import load_config
+from shardfn.core import optim
 from shardfn.core.pytree import tree_leaves
 from shardfn.runtime import data
 from shardfn.runtime.build import build_step
@@ -73,7 +73,9 @@ def test_compiled_step_matches_eager():
 
 
 def test_short_run_loss_drops(tmp_path):
-    cfg = load_config(None, ["train.steps=30", "train.batch_size=8", "train.seq_len=64", "train.warmup_steps=5", "train.log_every=10"])
+    cfg = load_config(
+        None, ["train.steps=30", "train.batch_size=8", "train.seq_len=64", "train.warmup_steps=5", "train.log_every=10"]
+    )
     lines = []
     result = train(cfg, metrics_path=tmp_path / "m.jsonl", log=lines.append)
     losses = [r["loss"] for r in result.history]
@@ -127,8 +129,9 @@ def test_moe_step_balances_router_bias_outside_the_optimizer():
     cfg = load_config("moe_tiny", SMALL)
     model = models.get("moe")
     params = model.init(cfg.model, 0)
-    params["moe_layers"]["router_bias"] = torch.linspace(-0.01, 0.01, params["moe_layers"]["router_bias"].numel()).view_as(
-        params["moe_layers"]["router_bias"])
+    params["moe_layers"]["router_bias"] = torch.linspace(
+        -0.01, 0.01, params["moe_layers"]["router_bias"].numel()
+    ).view_as(params["moe_layers"]["router_bias"])
     opt = make_optimizer(cfg.train, model)
     batch = data.get_batch(data.load_tokens(None), 0, batch_size=4, seq_len=32)
     new, _, metrics = make_train_step(model, cfg.model, opt)(params, opt.init(params), batch)

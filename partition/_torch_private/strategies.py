@@ -1,4 +1,5 @@
-"""Every private torch API the auto-sharder uses, in one place (a torch upgrade touches this file).
+"""DTensor's op strategy registries, as the auto-sharder asks them (private torch API; part of
+``partition._torch_private``, where every private torch API shardfn uses lives).
 
 The auto-sharder asks DTensor, for one op at global shapes, for *every* placement combination the
 op supports -- not just the cheapest one for given inputs, which is what DTensor itself computes
@@ -12,7 +13,7 @@ at run time. Two registries hold the answers:
 Single-dim rules win when an op has both, as in DTensor's own propagator. An op with neither
 that DTensor runs through its decomposition gets one all-replicated strategy. DTensor's
 ``redistribute_cost`` is not used: the auto-sharder prices transitions with its hardware model
-(``partition.cost``). This module and ``_torch_private`` could become one file.
+(``partition.cost``).
 
     a, b = TensorArg(x, [(Replicate(),)]), TensorArg(w, [(Replicate(),)])
     op_strategies(aten.mm.default, (a, b), {}, mesh.device_mesh, x @ w)
@@ -234,7 +235,11 @@ def _has_decomposition(op) -> bool:
 
 def _replicated_strategy(args, kwargs, device_mesh, out_val) -> Strategy:
     rep = (Replicate(),) * device_mesh.ndim
-    outs = rep if isinstance(out_val, torch.Tensor) else tuple(rep if isinstance(v, torch.Tensor) else None for v in out_val)
+    outs = (
+        rep
+        if isinstance(out_val, torch.Tensor)
+        else tuple(rep if isinstance(v, torch.Tensor) else None for v in out_val)
+    )
     return Strategy(outs, tuple(rep for _ in _tensor_args(args, kwargs)))
 
 

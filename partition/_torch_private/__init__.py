@@ -1,4 +1,7 @@
-"""Every use of a private torch API in shardfn, in one place (a torch upgrade touches this file).
+"""Every use of a private torch API in shardfn, in one package (a torch upgrade touches only it).
+
+``strategies`` holds what the auto-sharder asks DTensor's op-strategy registries; this module
+holds the rest:
 
 - DTensor's sharding propagator: asked which input placements an op wants, before it runs, so
   the partitioner can decide how a Partial value is reduced (once, and for every consumer).
@@ -15,6 +18,9 @@
 - ``FakeTensorMode`` (:func:`fake_mode`): tensors with shapes and dtypes and no storage.
 - c10d's default process-group timeout, which the subgroups of a ``DeviceMesh`` inherit
   (:func:`set_default_group_timeout`).
+- ``torch.utils._pytree`` (:func:`tree_flatten`): an op's ``(args, kwargs)`` flattened the way
+  DTensor's dispatcher sees them; ``torch._ops.OpOverload`` (:data:`OpOverload`); a DTensor's
+  ``DTensorSpec`` (:func:`dtensor_spec`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,18 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
+
+OpOverload = torch._ops.OpOverload
+"""The type of an ATen op overload (``torch.ops.aten.mm.default``)."""
+
+tree_flatten = pytree.tree_flatten
+tree_unflatten = pytree.tree_unflatten
+tree_leaves = pytree.tree_leaves
+
+
+def dtensor_spec(x: DTensor):
+    """``x``'s ``DTensorSpec`` (mesh, placements and tensor metadata)."""
+    return x._spec
 
 
 def planned_sharding(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[list | None, list]:

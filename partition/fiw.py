@@ -1,0 +1,291 @@
+"""A pipeline stage's backward as programs of their own: F (forward), I (input gradient) and W
+(weight gradients), cut from the stage's joint graph by dependency.
+
+The joint ``(params, x, data, dy) -> (y, dx, dparams)`` is traced over ``torch.func.vjp`` and
+split: F computes ``y`` and what the backward needs from the forward; I computes ``dx`` (what the
+previous stage waits for); W the parameter gradients, which a zero-bubble schedule may run later.
+Values flow between the three by name (:class:`Part`).
+
+    stage = split_fiw(stage)
+    env = stage.inputs_env(params, x, data); stage.F.run(env)
+    env["dy"] = dy; stage.I.run(env); stage.W.run(env)
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardfn.partition._torch_private import fake_mode
+from shardfn.partition.fx import (
+    ancestors,
+    descendants,
+    extract_subgraph,
+    identifier,
+    moves_no_bytes,
+    node_val,
+    output_nodes,
+)
+
+_DIFFERENTIABLE: dict[Any, Callable] = {}
+
+
+def register_differentiable(op: Any, fn: Callable) -> None:
+    """Make stage programs call ``fn`` where the traced loss called the custom op ``op``.
+
+    A custom op's own autograd (``register_autograd``) does not run under ``torch.func``
+    transforms, and :func:`trace_joint` differentiates each stage with ``torch.func.vjp``. ``fn``
+    takes the op's arguments and returns its result through a ``torch.autograd.Function`` with
+    ``setup_context``, so the joint records the op forward and its backward op as opaque calls.
+
+        register_differentiable(torch.ops.shardfn.grouped_mm.default, grouped_mm)
+    """
+    _DIFFERENTIABLE[op] = fn
+
+
+def differentiable_ops() -> dict[Any, Callable]:
+    """Custom op -> the ``torch.func``-differentiable function a stage program calls instead."""
+    from shardfn.core.grouped_mm import grouped_mm
+
+    return {torch.ops.shardfn.grouped_mm.default: grouped_mm, **_DIFFERENTIABLE}
+
+
+@dataclass
+class Part:
+    """One of a stage's F, I or W programs: a GraphModule over named values.
+
+    ``run(env)`` reads ``inputs`` from the dict ``env`` and writes ``outputs`` back into it.
+
+        stage.F.run(env); stage.I.run(env); stage.W.run(env)
+        grads = [env[n] for n in stage.grad_names]
+    """
+
+    graph_module: fx.GraphModule
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    fn: Callable | None = None  # what run() calls: the graph module, or a compiled version of it
+
+    def run(self, env: dict[str, torch.Tensor]) -> None:
+        fn = self.graph_module if self.fn is None else self.fn
+        outs = fn(*[env[name] for name in self.inputs])
+        env.update(zip(self.outputs, outs))
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
+
+    def compile(self, backend: str = "inductor") -> None:
+        """Run through ``torch.compile`` from now on (no-op for a program without ops)."""
+        if self.num_nodes:
+            self.fn = torch.compile(self.graph_module, backend=backend, dynamic=False)
+
+
+
+def _fake_inputs(specs: Sequence, device: torch.device) -> list[torch.Tensor]:
+    """Fake tensors of each spec's ``shape`` and ``dtype``."""
+    with fake_mode():
+        return [torch.empty(s.shape, dtype=s.dtype, device=device) for s in specs]
+
+
+def trace_joint(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModule, list[str]]:
+    """The stage's joint ``(*params, x, *data, dy) -> (y, dx, *dparams)`` traced over ``torch.func.vjp``.
+
+    Returns the graph (functionalized: no in-place ops, so it can be cut anywhere) and the env
+    name of each placeholder. Stage 0 has no ``x`` and no ``dx``.
+
+        joint, names = trace_joint(stage)   # names: ['param:layers.w1', ..., 'x', 'data:targets', 'dy']
+    """
+    n_p, has_x = len(stage.param_paths), stage.in_spec is not None
+    n_d = len(stage.data_paths)
+    fwd = stage.forward
+
+    def joint(*flat):
+        params = list(flat[:n_p])
+        x = flat[n_p] if has_x else None
+        data = list(flat[n_p + has_x: n_p + has_x + n_d])
+        dy = flat[-1]
+
+        def f(params, x):
+            head = [x] if has_x else []
+            return fwd(*head, *data, *params)[0]
+
+        primals = (params, x) if has_x else (params,)
+        y, vjp_fn = torch.func.vjp(f if has_x else (lambda p: f(p, None)), *primals)
+        cot = vjp_fn(dy)
+        dparams = list(cot[0])
+        dx = [cot[1]] if has_x else []
+        return [y, *dx, *dparams]
+
+    specs = [stage.param_specs[p] for p in stage.param_paths]
+    specs += [stage.in_spec] if has_x else []
+    specs += [_data_spec(stage, p) for p in stage.data_paths]
+    specs += [stage.out_spec]
+    names = [f"param:{p}" for p in stage.param_paths] + (["x"] if has_x else [])
+    names += [f"data:{p}" for p in stage.data_paths] + ["dy"]
+    fakes = _fake_inputs(specs, torch.device(device))
+    if not _calls_differentiable(fwd):
+        return make_fx(torch.func.functionalize(joint), tracing_mode="fake")(*fakes), names
+    # functionalize has no rule for autograd.Functions: trace the joint first (the Functions become
+    # their forward and backward ops), then functionalize that graph.
+    raw = make_fx(joint, tracing_mode="fake")(*fakes)
+    return make_fx(torch.func.functionalize(raw), tracing_mode="fake")(*fakes), names
+
+
+def _calls_differentiable(gm: fx.GraphModule) -> bool:
+    wrapped = set(differentiable_ops().values())
+    return any(n.op == "call_function" and n.target in wrapped for n in gm.graph.nodes)
+
+
+def _data_spec(stage, path: str) -> torch.Tensor:
+    """The traced value of the stage's batch input ``path`` (its shape and dtype)."""
+    ph = next(n for n in stage.forward.graph.nodes if n.op == "placeholder" and n.target == identifier(f"data:{path}"))
+    return node_val(ph)
+
+
+def stack_layer_grads(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """Rewrite each output that sums ``select_backward(g_i, [k, ...], 0, i)`` over every layer
+    ``i < k`` into one ``stack([g_0, ..., g_{k-1}])``: the gradient of a stacked slice no longer
+    materialises a zero ``[k, ...]`` tensor per layer. Returns the (possibly new) outputs.
+
+        dparams = stack_layer_grads(joint, dparams)
+        # add(select_backward(g1, .., 1), select_backward(g0, .., 0)) -> stack([g0, g1])
+    """
+    out = []
+    for node in outputs:
+        leaves = _add_tree(node)
+        sb = torch.ops.aten.select_backward.default
+        sizes = {tuple(leaf.args[1]) for leaf in leaves if leaf.target is sb and leaf.args[2] == 0} if leaves else set()
+        if not leaves or len(sizes) != 1 or any(leaf.target is not sb or leaf.args[2] != 0 for leaf in leaves):
+            out.append(node)
+            continue
+        k = sizes.pop()[0]
+        by_layer: dict[int, list[fx.Node]] = {}
+        for leaf in leaves:
+            by_layer.setdefault(leaf.args[3] % k, []).append(leaf.args[0])
+        if sorted(by_layer) != list(range(k)):
+            out.append(node)
+            continue
+        with gm.graph.inserting_after(node):
+            parts = []
+            for i in range(k):
+                g = by_layer[i][0]
+                for extra in by_layer[i][1:]:
+                    g = gm.graph.call_function(torch.ops.aten.add.Tensor, (g, extra))
+                parts.append(g)
+            stacked = gm.graph.call_function(torch.ops.aten.stack.default, (parts, 0))
+        stacked.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(stacked)
+        out.append(stacked)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return out
+
+
+def _add_tree(node: fx.Node) -> list[fx.Node]:
+    """The summands of a tree of ``aten.add.Tensor`` nodes rooted at ``node`` (``[node]`` if it is not an add)."""
+    if node.target is not torch.ops.aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
+        return [node]
+    leaves = []
+    for a in node.args:
+        if not isinstance(a, fx.Node):
+            return []
+        leaves += _add_tree(a) if len(a.users) == 1 else [a]
+    return leaves
+
+
+def split_fiw(stage, device: torch.device | str = "cpu"):
+    """Fill ``stage.F``, ``stage.I``, ``stage.W`` from its joint, cut by dependency on ``dy``.
+
+    F computes ``y`` and what the backward needs from the forward (the ancestors of ``y`` that
+    do not depend on ``dy``); I computes ``dx`` (the remaining ancestors of ``dx``); W computes
+    the parameter gradients (everything else they need). A backward-only value that does not
+    depend on ``dy`` (a weight's transpose, ``sigmoid(x)``) is computed in the part that needs
+    it, not saved from F. Stage 0 has no ``dx``: its I is empty.
+
+    Example:
+        stage = split_fiw(stage)
+        env = stage.inputs_env(params, x, data); stage.F.run(env)
+        env["dy"] = dy; stage.I.run(env); stage.W.run(env)   # env[stage.dx_name], grads by stage.grad_names
+    """
+    gm, names = trace_joint(stage, device)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    name_of = {n: nm for n, nm in zip(placeholders, names)}
+    outs = output_nodes(gm)
+    has_x = stage.in_spec is not None
+    y, dx, dparams = outs[0], (outs[1] if has_x else None), stack_layer_grads(gm, outs[1 + has_x:])
+    dy = placeholders[-1]
+    ph = set(placeholders)
+
+    after_dy = descendants([dy])
+    f_set = _closure({n for n in ancestors([y]) if n not in after_dy and n not in ph})
+    i_set = {n for n in ancestors([dx] if dx is not None else []) if n not in f_set and n not in ph}
+    w_set = {n for n in ancestors(dparams) if n not in f_set and n not in i_set and n not in ph}
+    # Views of parameters are re-made where they are used rather than saved across parts.
+    param_views = _param_views(gm, {n for n, nm in name_of.items() if nm.startswith("param:")})
+    i_set = _closure(i_set | _views_needed(i_set, param_views))
+    w_set = _closure(w_set | _views_needed(w_set, param_views))
+
+    for n in gm.graph.nodes:
+        if n not in ph and n.op != "output":
+            name_of.setdefault(n, n.name)
+
+    results = {"F": [y], "I": [dx] if dx is not None else [], "W": list(dparams)}
+    sets = {"F": f_set, "I": i_set, "W": w_set}
+    ins = {k: _inputs_of(gm, sets[k], results[k]) for k in sets}
+    read_by = {"F": set(ins["I"]) | set(ins["W"]), "I": set(ins["W"]), "W": set()}
+
+    def part(k: str) -> Part:
+        exported = [n for n in gm.graph.nodes if n in sets[k] and n in read_by[k]]
+        outputs = _dedupe(results[k] + exported)
+        sub = extract_subgraph(gm, sets[k], ins[k], outputs, input_names=[name_of[n] for n in ins[k]])
+        return Part(sub, tuple(name_of[n] for n in ins[k]), tuple(name_of[n] for n in outputs))
+
+    stage.F, stage.I, stage.W = part("F"), part("I"), part("W")
+    stage.y_name = name_of[y]
+    stage.dx_name = name_of[dx] if dx is not None else None
+    stage.grad_names = tuple(name_of[n] for n in dparams)
+    return stage
+
+
+def _param_views(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:
+    """Nodes that are views of parameters only (``select(w, 0, i)``, ``w.t()``, chains of them)."""
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and moves_no_bytes(n) and n.all_input_nodes and all(
+                a in params or a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _views_needed(nodes: set[fx.Node], views: set[fx.Node]) -> set[fx.Node]:
+    """The parameter views that ``nodes`` read, with the views those are made from."""
+    return ancestors([a for n in nodes for a in n.all_input_nodes if a in views],
+                      stop=lambda m: m not in views) & views
+
+
+def _closure(nodes: set[fx.Node]) -> set[fx.Node]:
+    """``nodes`` plus the ``getitem`` users of any multi-output node in it, so that tuples never
+    cross a part boundary (only their tensor elements do)."""
+    extra = {u for n in nodes for u in n.users if u.target is operator.getitem}
+    return nodes | extra
+
+
+def _inputs_of(gm: fx.GraphModule, nodes: set, results: list[fx.Node]) -> list[fx.Node]:
+    """Values a part reads from outside itself (in graph order): placeholders and other parts' results."""
+    needed = {a for n in nodes for a in n.all_input_nodes if a not in nodes}
+    needed |= {r for r in results if r not in nodes}
+    return [n for n in gm.graph.nodes if n in needed]
+
+
+def _dedupe(xs: list) -> list:
+    seen, out = set(), []
+    for x in xs:
+        if x not in seen:
+            seen.add(x)
+            out.append(x)
+    return out
