@@ -28,7 +28,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from shardfn.partition import _torch_private as private
+from shardfn.core import _torch_private as private
 from shardfn.partition.flops import op_flops
 from shardfn.partition.fx import is_view
 from shardfn.partition.hardware import Hardware

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardfn.partition._torch_private import fake_mode
+from shardfn.core._torch_private import fake_mode
 from shardfn.partition.fx import (
     ancestors,
     descendants,

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardfn.partition import _torch_private as private
+from shardfn.core import _torch_private as private
 from shardfn.partition.propagate import ShardingError, ShardingInterpreter
 from shardfn.partition.trace import Traced
 

@@ -111,7 +111,7 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
         else:
             return
     if fake:
-        from shardfn.partition._torch_private import fake_store
+        from shardfn.core._torch_private import fake_store
 
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
         return
@@ -144,7 +144,7 @@ def fake_mesh(axes: dict) -> Mesh:
     Example:
         mesh = fake_mesh({"dp": 16, "ep": 64})   # 1024 simulated ranks in this process
     """
-    from shardfn.partition._torch_private import clear_sharding_cache
+    from shardfn.core._torch_private import clear_sharding_cache
 
     key = tuple(axes.items())
     alive = dist.is_initialized() and dist.group.WORLD is _FAKE["world"]

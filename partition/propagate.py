@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from shardfn.partition import _torch_private as private
+from shardfn.core import _torch_private as private
 from shardfn.partition import local_map, rules
 from shardfn.partition.constrain import decode_spec
 from shardfn.partition.spec import check_divisible, describe

@@ -110,7 +110,7 @@ def layer_costs(model_name: str, model_cfg, rows: int, seq_len: int, dtype: torc
         layer_costs("llama", llama.Config(), 4, 128, torch.float32)   # one cost per layer
     """
     from shardfn import models
-    from shardfn.partition._torch_private import fake_mode
+    from shardfn.core._torch_private import fake_mode
     from shardfn.partition.stages import layer_units, trace_loss
 
     model = models.get(model_name)

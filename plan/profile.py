@@ -99,7 +99,7 @@ def lower_step(cfg, *, dtype: torch.dtype = torch.float32):
         lowered.comm_report(), lowered.memory_report()
     """
     from shardfn import models
-    from shardfn.partition._torch_private import fake_mode
+    from shardfn.core._torch_private import fake_mode
     from shardfn.partition.layouts import mesh_axes
     from shardfn.partition.mesh import fake_mesh
     from shardfn.runtime.partitioned import mesh_step

@@ -116,7 +116,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
 
     import torch.distributed as dist
 
-    from shardfn.partition._torch_private import set_default_group_timeout
+    from shardfn.core._torch_private import set_default_group_timeout
 
     global _progress
     os.setpgrp()

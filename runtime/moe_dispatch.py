@@ -286,7 +286,7 @@ def register_exchange(exchange: Exchange) -> int:
 
 
 def _group(name: str):
-    from shardfn.partition._torch_private import resolve_group
+    from shardfn.core._torch_private import resolve_group
 
     return resolve_group(name)
 

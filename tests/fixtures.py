@@ -92,7 +92,7 @@ def fake_train_step(config: str, overrides, mesh):
 
         step, args, axes = fake_train_step("llama_tiny", [], sf.Mesh({"dp": 2, "tp": 2}, fake=True))
     """
-    from shardfn.partition._torch_private import fake_mode
+    from shardfn.core._torch_private import fake_mode
     from shardfn.runtime.partitioned import expert_region, layout
 
     cfg = load_config(config, list(overrides))

@@ -18,9 +18,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate
 from torch.fx.node import map_arg
 
+from shardfn.core._torch_private import OpOverload, strategies
 from shardfn.partition import constrain as _constrain_ops  # noqa: F401  (registers shardfn::constrain)
 from shardfn.partition import local_map as _local_map_ops  # noqa: F401  (registers shardfn::local_region)
-from shardfn.partition._torch_private import OpOverload, strategies
 from shardfn.partition.cost import CostModel
 from shardfn.partition.fx import is_view
 from shardfn.partition.hardware import Hardware

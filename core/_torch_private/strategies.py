@@ -1,5 +1,5 @@
 """DTensor's op strategy registries, as the auto-sharder asks them (private torch API; part of
-``partition._torch_private``, where every private torch API shardfn uses lives).
+``core._torch_private``, where every private torch API shardfn uses lives).
 
 The auto-sharder asks DTensor, for one op at global shapes, for *every* placement combination the
 op supports -- not just the cheapest one for given inputs, which is what DTensor itself computes
