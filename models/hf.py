@@ -10,8 +10,8 @@ into the pure models' parameter trees, and a tree writes back out the same way:
 
 A run loads its initial parameters from such a directory with ``train.init_from=DIR`` (the
 config key; ``shardfn train train.init_from=DIR``). This module lives in ``models/`` because
-the mapping is knowledge of the models' parameter names; it does no parallelism (every rank
-loads the whole tree, the partitioner shards it).
+the mapping is knowledge of the models' parameter names; it does no parallelism, but builds any
+boxes of our leaves it is asked for (``regions=``), so each rank reads only what it holds.
 
 Name mapping (``i`` an HF layer, ``e`` an expert; ``.T``: HF's ``nn.Linear`` weights are
 ``[out, in]``, ours ``[in, out]``; our per-layer tensors are stacked along a leading layers dim,
@@ -132,8 +132,13 @@ def _meta_params(model_name: str, cfg) -> PyTree:
 
 def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu", rope_interleave: bool | None = None,
-            ignore: Iterable[str] = (), source: str = "the checkpoint") -> PyTree:
+            ignore: Iterable[str] = (), source: str = "the checkpoint",
+            regions: Mapping[str, tuple[slice, ...]] | None = None) -> PyTree:
     """Our parameter tree from HF-named tensors (any mapping, e.g. :func:`read_dir`'s).
+
+    With ``regions`` (``path -> tuple of slices`` of our full leaves) only those boxes are built,
+    as a flat dict ``{path: tensor}``, and only the HF tensors of their layers and experts are
+    read: a pipeline rank reads its own stages' layers (``runtime.param_source``).
 
     Raises:
         ValueError: naming the HF key of a missing tensor, one of the wrong shape (with the
@@ -149,9 +154,13 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
     _check_keys(entries, set(tensors), model_name, cfg, [*SKIPPED, *ignore], source)
     flat = {}
     for entry in entries:
+        if regions is not None and entry.path not in regions:
+            continue
         want = _hf_shape(entry, shapes[entry.path])
+        box = tuple(regions[entry.path]) if regions is not None else ()
+        keys, box, shape = _restrict(entry, box, shapes[entry.path])
         parts = []
-        for key in entry.keys():
+        for key in keys:
             x = tensors[key]
             if tuple(x.shape) != want:
                 raise ValueError(f"{source}: {key} has shape {tuple(x.shape)}, but model {model_name!r} with this "
@@ -164,13 +173,33 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
                 x = _deinterleave(x, entry.rope)
             parts.append(x.t() if entry.transpose else x)
         x = torch.stack(parts) if len(parts) > 1 or entry.layers is not None or entry.experts else parts[0]
-        flat[entry.path] = x.reshape(shapes[entry.path]).to(device=device, dtype=dtype).contiguous()
+        flat[entry.path] = x.reshape(shape)[box].to(device=device, dtype=dtype).contiguous()
     if cfg.tie_embeddings and "lm_head.weight" in tensors:
         head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
         if not torch.equal(head.to(torch.float32), embed.to(torch.float32)):
             raise ValueError(f"{source}: lm_head.weight differs from model.embed_tokens.weight but "
                              f"model.tie_embeddings is true; set model.tie_embeddings=false to load it")
+    if regions is not None:
+        unknown = sorted(set(regions) - set(flat))
+        if unknown:
+            raise ValueError(f"from_hf: regions name {unknown}, which model {model_name!r} does not have")
+        return flat
     return map_with_path(lambda path, _: flat[path], meta)  # the model's own tree structure and key order
+
+
+def _restrict(entry: HFTensor, box: tuple[slice, ...], shape: Sequence[int]):
+    """The HF keys of the layers and experts ``box`` covers (in stacking order), the rest of
+    ``box`` (to slice after stacking) and the stacked shape of what those keys make."""
+    shape, box = list(shape), list(box) + [slice(None)] * (len(shape) - len(box))
+    layers, experts, dim = (None,), (None,), 0
+    if entry.layers is not None:
+        layers = entry.layers[box[0]]
+        shape[0], dim = len(layers), 1
+    if entry.experts:
+        experts = range(entry.experts)[box[dim]]
+        shape[dim], dim = len(experts), dim + 1
+    keys = [entry.key.format(i=i, e=e) for i in layers for e in experts]
+    return keys, tuple([slice(None)] * dim + box[dim:]), tuple(shape)
 
 
 def _check_keys(entries, present: set, model_name: str, cfg, ignore: list, source: str) -> None:
@@ -302,8 +331,10 @@ def read_dir(directory: str | os.PathLike) -> SafetensorsDir:
 
 def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
          device: torch.device | str = "cpu", rope_interleave: bool | None = None,
-         ignore: Iterable[str] = ()) -> PyTree:
-    """Our parameter tree from an HF-format directory (``config.json`` checked when present).
+         ignore: Iterable[str] = (), regions: Mapping[str, tuple[slice, ...]] | None = None) -> PyTree:
+    """Our parameter tree from an HF-format directory (``config.json`` checked when present);
+    with ``regions``, only those boxes of our leaves, reading only their layers' and experts'
+    tensors (:func:`from_hf`).
 
     Example:
         params = load("Llama-3-8B/", "llama", load_config("llama3_8b").model)
@@ -316,7 +347,7 @@ def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dty
         if rope_interleave is None and "rope_interleave" in hf_config:
             rope_interleave = bool(hf_config["rope_interleave"])
     return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
-                   ignore=ignore, source=str(directory))
+                   ignore=ignore, source=str(directory), regions=regions)
 
 
 def save(directory: str | os.PathLike, params: PyTree, model_name: str, cfg, *,

@@ -287,3 +287,25 @@ def test_train_init_from_starts_at_the_checkpoints_loss(tmp_path):
     batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=2, seq_len=16, seed=cfg.train.seed)
     expected = float(models.get("llama").loss(params, batch, cfg.model))
     assert result.history[0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_regions_build_only_their_boxes_and_read_only_their_layers_and_experts(tmp_path):
+    cfg = _cfg("moe", first_k_dense=0, n_layers=2)
+    params = models.get("moe").init(cfg, seed=5)
+    hf.save(tmp_path / "out", params, "moe", cfg)
+    full = dict(flatten_with_paths(params))
+    regions = {"moe_layers.experts.w1": (slice(1, 2), slice(2, 4), slice(0, 16)),  # layer 1, experts 2-3
+               "moe_layers.attn.wq_b": (slice(0, 1), slice(8, 16)),                 # layer 0, rows 8-15
+               "embed": (slice(0, 64), slice(16, 32))}
+    tensors = hf.read_dir(tmp_path / "out")
+    read = []
+    spy = type("Spy", (), {"__getitem__": lambda self, k: read.append(k) or tensors[k],
+                           "__iter__": lambda self: iter(tensors), "__len__": lambda self: len(tensors),
+                           "__contains__": lambda self, k: k in tensors})()
+    got = hf.from_hf(spy, "moe", cfg, regions=regions)
+    assert set(got) == set(regions)
+    for path, box in regions.items():
+        assert torch.equal(got[path], full[path][box]), path
+    assert sorted(read) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_b_proj.weight",
+                            "model.layers.1.mlp.experts.2.gate_proj.weight",
+                            "model.layers.1.mlp.experts.3.gate_proj.weight"]
