@@ -154,12 +154,17 @@ class PipelineConfig:
 class PartitionConfig:
     auto: bool = False  # search placements the specs and rules leave open
     memory_budget: Union[int, None] = None  # bytes per rank (YAML may say "40GiB"); null: no limit
+    # fsdp: re-gather parameters for the backward (true) or keep the forward's gathered copies
+    # (false: under pp, once per step for all microbatches); null: false under pp, else true
+    reshard_after_forward: Union[bool, None] = None
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):
             self.memory_budget = parse_bytes(self.memory_budget, "partition.memory_budget")
         _check(self.memory_budget is None or self.memory_budget > 0, "partition.memory_budget",
                "must be > 0 or null", self.memory_budget)
+        _check(self.reshard_after_forward in (None, True, False), "partition.reshard_after_forward",
+               "must be true, false or null", self.reshard_after_forward)
 
 
 @dataclass

@@ -11,8 +11,14 @@ Reports, per schedule and rank count:
 - ``peak_saved_bytes``: per rank, the most bytes of activations and saved tensors held at once,
   and ``peak_inflight``: the simulator's count of microbatches in flight per rank.
 
-    python benchmarks/bench_pipeline.py                       # 2 and 4 ranks, every schedule
-    python benchmarks/bench_pipeline.py --ranks 2 --schedules 1f1b zbh1 --trace runs/trace
+Then, on the same 4 ranks, one run config (llama_tiny, 4 layers) as three layouts built side by
+side in one set of processes -- pp2 x fsdp2, fsdp4 and pp4 -- stepped in turn (A, B, C, A, ...):
+per layout the median step time, its ratio to fsdp4 (the median of the per-round ratios), and
+each rank's peak bytes from the step's own reports (parameters, gradients, optimizer state,
+gathered parameters and held activations).
+
+    python benchmarks/bench_pipeline.py                       # 2 and 4 ranks, every schedule; the layouts
+    python benchmarks/bench_pipeline.py --ranks 2 --schedules 1f1b zbh1 --trace runs/trace --no-layouts
 
 Writes ``benchmarks/results/bench_pipeline.json``. On a machine with fewer cores than ranks the
 ranks share cores, so measured bubbles there mix pipeline idling with time slicing.
@@ -63,7 +69,7 @@ def _rank(args: dict) -> dict:
     for name in args["schedules"]:
         sched = get_schedule(name, pp, m)
         pipe = build_pipeline(loss, params, {k: v[: args["rows"]] for k, v in batch.items()}, sched.n_stages,
-                              split=sched.stages_of(rank))
+                              split=())
         step = make_pipeline_step(pipe, sched, mesh, lambda norm: optim.chain(optim.clip_by_global_norm(1.0, norm=norm),
                                                                              optim.adamw(1e-3)), record=True)
         local = step.scatter(params)
@@ -81,6 +87,66 @@ def _rank(args: dict) -> dict:
             executor.write_chrome_trace(runs[-1]["events"], Path(args["trace"]) / f"{name}_pp{pp}.json")
         out[name] = runs
     return out
+
+
+LAYOUTS = {"pp2xfsdp2": ["mesh.pp=2", "mesh.fsdp=2"], "fsdp4": ["mesh.fsdp=4"], "pp4": ["mesh.pp=4"]}
+LAYOUT_BASE = ["model.n_layers=4", "train.batch_size=16", "train.seq_len=64", "pipeline.schedule=1f1b",
+               "pipeline.microbatches=4", "train.warmup_steps=1"]
+
+
+def _layouts_rank(rounds: int) -> dict:
+    """Every layout of :data:`LAYOUTS` on these 4 ranks, stepped in turn ``rounds`` times."""
+    import torch.distributed as dist
+
+    from shardfn import models
+    from shardfn.config import load_config
+    from shardfn.runtime import data
+    from shardfn.runtime.build import build_step
+    from shardfn.runtime.param_source import abstract
+
+    steps, states = {}, {}
+    for name, mesh in LAYOUTS.items():
+        cfg = load_config("llama_tiny", [*LAYOUT_BASE, *mesh])
+        model = models.get(cfg.model_name)
+        step = build_step(cfg, model, abstract(model.init(cfg.model, 0, device="meta"), "cpu"))
+        steps[name] = step
+        states[name] = step.place(lambda regions, c=cfg, m=model: m.init(c.model, 0, regions=regions))
+    tokens = data.from_config(cfg.data)
+    batch = data.get_batch(tokens, 0, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len)
+    times: dict = {name: [] for name in LAYOUTS}
+    for r in range(rounds + 1):  # the first round warms up
+        for name, step in steps.items():
+            dist.barrier()
+            tic = time.perf_counter()
+            p, s, m = step(*states[name], batch)
+            float(m["loss"])
+            dist.barrier()
+            if r:
+                times[name].append(time.perf_counter() - tic)
+            states[name] = (p, s)
+    memory = {}
+    for name, step in steps.items():
+        report = step.memory_report()
+        memory[name] = sum(v for k, v in report.items() if k in ("params", "grads", "opt_state", "gathered",
+                                                                 "activations"))
+    return {"times": times, "memory": memory}
+
+
+def layouts(rounds: int) -> list[dict]:
+    from shardfn.runtime.launch import spawn
+
+    per_rank = spawn(_layouts_rank, 4, args=(rounds,), timeout_s=1800)
+    times = per_rank[0]["times"]
+    rows = []
+    for name in LAYOUTS:
+        ratios = [a / b for a, b in zip(times[name], times["fsdp4"])]
+        rows.append({"layout": name, "ranks": 4, "step_s": statistics.median(times[name]),
+                     "ratio_to_fsdp4": statistics.median(ratios),
+                     "peak_bytes_per_rank": [r["memory"][name] for r in per_rank]})
+        row = rows[-1]
+        print(f"{name:>10} on 4 ranks: step {row['step_s'] * 1e3:.1f} ms ({row['ratio_to_fsdp4']:.2f}x fsdp4), "
+              f"peak MiB per rank {[round(b / 2**20, 2) for b in row['peak_bytes_per_rank']]}")
+    return rows
 
 
 # ----------------------------------------------------------------------------- analysis
@@ -134,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--trace", default=None, help="write a Chrome trace per schedule into this directory")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--no-layouts", action="store_true", help="skip the pp2 x fsdp2 / fsdp4 / pp4 comparison")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds of the layout comparison")
     ns = ap.parse_args(argv)
 
     from shardfn.runtime.launch import spawn
@@ -153,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['bubble_calibrated']:.3f} calibrated; step {row['step_s'] * 1e3:.1f} ms "
                   f"(predicted {row['step_s_predicted'] * 1e3:.1f}); peak saved MiB "
                   f"{[round(b / 2**20, 2) for b in row['peak_saved_bytes']]}")
+    layout_rows = [] if ns.no_layouts else layouts(ns.rounds)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model = {k: getattr(ns, k) for k in ("layers", "dim", "mlp", "vocab", "seq", "rows", "microbatches")}
     out.write_text(json.dumps({"model": model, "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                               "results": rows}, indent=1))
+                               "results": rows, "layouts": {"config": ["llama_tiny", *LAYOUT_BASE],
+                                                            "results": layout_rows}}, indent=1))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

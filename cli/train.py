@@ -46,6 +46,14 @@ def run(args: argparse.Namespace) -> int:
         resume_path(cfg.train.checkpoint)  # --resume with nothing to resume: a usage error, before any launch
     except ValueError as e:
         raise UsageError(str(e)) from None
+    from shardfn import models
+    from shardfn.partition.errors import LayoutError
+    from shardfn.partition.layouts import check_run
+
+    try:  # a layout that cannot run is refused here, once, before any rank is spawned
+        check_run(models.get(cfg.model_name), cfg)
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
     if args.trace and cfg.mesh.pp == 1:
         raise UsageError(f"--trace {args.trace} records pipeline schedules: set mesh.pp > 1, or drop --trace")
     world = cfg.mesh.world_size

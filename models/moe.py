@@ -252,14 +252,16 @@ def param_table(cfg: Config) -> PyTree:
     return table
 
 
-def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> PyTree:
-    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing).
+def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+         regions: dict | None = None) -> PyTree:
+    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing). With
+    ``regions`` (``path -> slices``), only those parts, as a flat dict (``core.init.init_params``).
 
     Example:
         params = init(Config(), seed=0)
         params["moe_layers"]["experts"]["w1"].shape  # torch.Size([2, 8, 64, 32])
     """
-    return init_params(param_table(cfg), seed, device=device, dtype=dtype)
+    return init_params(param_table(cfg), seed, device=device, dtype=dtype, regions=regions)
 
 
 def param_axes(cfg: Config) -> PyTree:

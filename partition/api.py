@@ -109,7 +109,8 @@ def _to_local(x: torch.Tensor, mesh: Mesh, placements, path: str) -> torch.Tenso
 class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
-    def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None):
+    def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None,
+                 reshard_after_forward=True):
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs
@@ -119,6 +120,7 @@ class Jitted:
         self.backend = backend
         self.arg_names = arg_names
         self.memory_budget = memory_budget
+        self.reshard_after_forward = reshard_after_forward
         self._cache: dict[Any, LoweredStep] = {}
 
     def lower(self, *args) -> LoweredStep:
@@ -153,7 +155,8 @@ class Jitted:
         arg_of_leaf = _arg_index_of_leaves(args)
         stored = [i in self.fsdp_argnums for i in arg_of_leaf]
         roles = [self.arg_names[i] if self.arg_names else f"arg{i}" for i in arg_of_leaf]
-        lowered = lower(traced, self.mesh, in_placements, out_placements, stored=stored, fsdp_axes=self.fsdp_axes)
+        lowered = lower(traced, self.mesh, in_placements, out_placements, stored=stored, fsdp_axes=self.fsdp_axes,
+                        reuse_gathers=not self.reshard_after_forward)
         step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles)
         self._cache[key] = step
         return step
@@ -173,6 +176,7 @@ def jit(
     backend: str | None = "inductor",
     arg_names: Sequence[str] | None = None,
     memory_budget: float | None = None,
+    reshard_after_forward: bool = True,
 ) -> Jitted:
     """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
 
@@ -187,6 +191,8 @@ def jit(
         arg_names: names of the arguments, used by reports (``("params", "opt_state", "batch")``).
         memory_budget: bytes per rank the auto-sharder must fit (``in_specs=sf.AUTO``, or AUTO
             leaves in it); default the hardware profile's device memory.
+        reshard_after_forward: ``fsdp_argnums`` values are gathered again for the backward (True,
+            less memory) or gathered once, the copy kept for the backward (False, half the bytes).
 
     Example:
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
@@ -195,7 +201,8 @@ def jit(
     if not isinstance(mesh, Mesh):
         raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
                         f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
-    return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget)
+    return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget,
+                  reshard_after_forward)
 
 
 def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):

@@ -51,8 +51,10 @@ def register_differentiable(op: Any, fn: Callable) -> None:
 def differentiable_ops() -> dict[Any, Callable]:
     """Custom op -> the ``torch.func``-differentiable function a stage program calls instead."""
     from shardfn.core.grouped_mm import grouped_mm
+    from shardfn.partition.local_map import call_region
 
-    return {torch.ops.shardfn.grouped_mm.default: grouped_mm, **_DIFFERENTIABLE}
+    return {torch.ops.shardfn.grouped_mm.default: grouped_mm, torch.ops.shardfn.local_region.default: call_region,
+            **_DIFFERENTIABLE}
 
 
 @dataclass
@@ -198,26 +200,49 @@ def _add_tree(node: fx.Node) -> list[fx.Node]:
     return leaves
 
 
-def split_fiw(stage, device: torch.device | str = "cpu"):
-    """Fill ``stage.F``, ``stage.I``, ``stage.W`` from its joint, cut by dependency on ``dy``.
+def joint_graph(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModule, list[str]]:
+    """:func:`trace_joint` with each stacked parameter's gradient built by one ``stack``
+    (:func:`stack_layer_grads`): the global joint that :func:`split_joint` cuts, directly or after
+    partitioning (``partition.stage_programs``).
+
+        joint, names = joint_graph(stage)
+    """
+    gm, names = trace_joint(stage, device)
+    outs = output_nodes(gm)
+    head = 1 + (stage.in_spec is not None)
+    stack_layer_grads(gm, outs[head:])
+    return gm, names
+
+
+@dataclass
+class Split:
+    """A joint cut into F, I and W, and the env names of its results."""
+
+    F: Part
+    I: Part  # noqa: E741 (the schedule's name for it)
+    W: Part
+    y_name: str
+    dx_name: str | None
+    grad_names: tuple[str, ...]
+
+
+def split_joint(gm: fx.GraphModule, names: Sequence[str], has_x: bool) -> Split:
+    """Cut a joint ``(*params, x, *data, dy) -> (y, dx, *dparams)`` (global, or one rank's
+    partitioned program: collectives are nodes like any other) by dependency on ``dy``.
 
     F computes ``y`` and what the backward needs from the forward (the ancestors of ``y`` that
     do not depend on ``dy``); I computes ``dx`` (the remaining ancestors of ``dx``); W computes
     the parameter gradients (everything else they need). A backward-only value that does not
-    depend on ``dy`` (a weight's transpose, ``sigmoid(x)``) is computed in the part that needs
-    it, not saved from F. Stage 0 has no ``dx``: its I is empty.
+    depend on ``dy`` (a weight's transpose, ``sigmoid(x)``, a parameter gathered for the
+    backward) is computed in the part that needs it, not saved from F. Without ``x`` (stage 0)
+    there is no ``dx``: I is empty.
 
-    Example:
-        stage = split_fiw(stage)
-        env = stage.inputs_env(params, x, data); stage.F.run(env)
-        env["dy"] = dy; stage.I.run(env); stage.W.run(env)   # env[stage.dx_name], grads by stage.grad_names
+        split = split_joint(*joint_graph(stage), has_x=stage.in_spec is not None)
     """
-    gm, names = trace_joint(stage, device)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     name_of = {n: nm for n, nm in zip(placeholders, names)}
     outs = output_nodes(gm)
-    has_x = stage.in_spec is not None
-    y, dx, dparams = outs[0], (outs[1] if has_x else None), stack_layer_grads(gm, outs[1 + has_x:])
+    y, dx, dparams = outs[0], (outs[1] if has_x else None), list(outs[1 + has_x:])
     dy = placeholders[-1]
     ph = set(placeholders)
 
@@ -245,11 +270,28 @@ def split_fiw(stage, device: torch.device | str = "cpu"):
         sub = extract_subgraph(gm, sets[k], ins[k], outputs, input_names=[name_of[n] for n in ins[k]])
         return Part(sub, tuple(name_of[n] for n in ins[k]), tuple(name_of[n] for n in outputs))
 
-    stage.F, stage.I, stage.W = part("F"), part("I"), part("W")
-    stage.y_name = name_of[y]
-    stage.dx_name = name_of[dx] if dx is not None else None
-    stage.grad_names = tuple(name_of[n] for n in dparams)
+    return Split(part("F"), part("I"), part("W"), name_of[y], name_of[dx] if dx is not None else None,
+                 tuple(name_of[n] for n in dparams))
+
+
+def set_programs(stage, split: Split):
+    """Give ``stage`` the F / I / W of ``split`` (and the names of their results)."""
+    stage.F, stage.I, stage.W = split.F, split.I, split.W
+    stage.y_name, stage.dx_name, stage.grad_names = split.y_name, split.dx_name, split.grad_names
     return stage
+
+
+def split_fiw(stage, device: torch.device | str = "cpu"):
+    """Fill ``stage.F``, ``stage.I``, ``stage.W`` from its joint (:func:`joint_graph`), cut by
+    dependency on ``dy`` (:func:`split_joint`): the programs of a stage on one device.
+
+    Example:
+        stage = split_fiw(stage)
+        env = stage.inputs_env(params, x, data); stage.F.run(env)
+        env["dy"] = dy; stage.I.run(env); stage.W.run(env)   # env[stage.dx_name], grads by stage.grad_names
+    """
+    gm, names = joint_graph(stage, device)
+    return set_programs(stage, split_joint(gm, names, stage.in_spec is not None))
 
 
 def _param_views(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:

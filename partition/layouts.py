@@ -212,3 +212,46 @@ def check_model(model, model_cfg, axes: Mapping[str, int], rules: Mapping | None
                 raise LayoutError(f"mesh.{names[-1]}", f"{n} does not divide dim {dim} (size {x.shape[dim]}) of "
                                                        f"parameter {path} {list(x.shape)}, split over {tuple(names)}; "
                                                        f"pick a size that divides it, or change its rule")
+
+
+def check_run(model, cfg) -> None:
+    """Raise :class:`LayoutError` naming the config key when the run config ``cfg`` cannot run
+    ``model`` on its mesh: :func:`check_model` (with the pipeline's stage count), the schedule
+    (``pipeline.schedule``, ``pipeline.microbatches``), the batch against the data axes and the
+    microbatches, and no ``layers`` rule (pipeline stages split the layers). The launcher calls
+    it before spawning any rank, and every step builder again.
+
+    Example:
+        check_run(moe, load_config("moe_tiny", ["mesh.pp=4"]))   # LayoutError: mesh.pp: 4 pipeline stages ...
+    """
+    from shardfn.partition.schedules import get_schedule, stages_per_rank
+
+    axes = cfg.mesh.axes()
+    rules = resolve_rules(cfg.rules, axes)
+    pp, p = axes.get("pp", 1), cfg.pipeline
+    if pp > 1 and entry_axes(rules.get("layers")):
+        raise LayoutError("rules.layers", f"{rules['layers']!r}: pipeline stages split the layers over mesh.pp; "
+                                          f"set rules.layers=null")
+    n_stages = None
+    if pp > 1:
+        try:
+            n_stages = get_schedule(p.schedule, pp, p.microbatches, stages_per_rank(p.schedule, pp, p.stages)).n_stages
+        except ValueError as e:
+            key = "pipeline.microbatches" if "microbatch" in str(e) else "pipeline.schedule"
+            raise LayoutError(key, str(e)) from None
+    check_model(model, cfg.model, axes, cfg.rules, n_stages=n_stages)
+    check_batch(cfg.train.batch_size, data_size(rules, axes), p.microbatches if pp > 1 else 1,
+                data_axes=tuple(n for n in entry_axes(rules.get("batch"))))
+
+
+def reshard_after_forward(cfg) -> bool:
+    """``partition.reshard_after_forward``, with null resolved: False under pp (gather a stage's
+    parameters once per step and keep them over its microbatches: a stage holds 1/pp of the model,
+    and per-microbatch gathers would move ``microbatches`` times the bytes), True otherwise (an
+    SPMD step gathers for the forward and again for the backward, holding nothing gathered
+    between them), as TorchTitan's default.
+
+        reshard_after_forward(load_config("moe_tiny", ["mesh.pp=2", "mesh.fsdp=2"]))   # False
+    """
+    value = cfg.partition.reshard_after_forward
+    return (cfg.mesh.pp == 1) if value is None else bool(value)

@@ -208,6 +208,15 @@ class _RegionFn(torch.autograd.Function):
         return (None, *[g if x.is_floating_point() else None for g, x in zip(grads, xs)])
 
 
+def call_region(xs: list, rid: int) -> list:
+    """``shardfn::local_region(xs, rid)`` made differentiable (``torch.autograd`` and ``torch.func``):
+    what a pipeline stage's program calls, so its joint records the region and its backward.
+
+        outs = call_region([x, w], rid)
+    """
+    return list(_RegionFn.apply(rid, *xs))
+
+
 def _out_shape(rid: int, i: int, xs) -> list[int]:
     reg = region(rid)
     shape = reg.out_meta[i][0]

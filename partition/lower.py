@@ -56,11 +56,19 @@ def lower(
     *,
     stored: Sequence[bool] = (),
     fsdp_axes: Sequence[str] = (),
+    reuse_gathers: bool = False,
 ) -> Lowered:
-    """Run propagation under make_fx on local fake inputs and return the per-rank graph."""
+    """Run propagation under make_fx on local fake inputs and return the per-rank graph.
+
+    An ``out_placements`` entry of None keeps whatever placement propagation gave that output
+    (a gradient left as a partial sum, to be reduced later); ``Lowered.out_placements`` has the
+    placements every output really leaves in. ``reuse_gathers``: a stored value is gathered
+    once and the gathered copy serves each later use (``partition.reshard_after_forward=false``).
+    """
     stored = list(stored) or [False] * len(traced.in_meta)
-    interp = ShardingInterpreter(traced.graph_module, mesh, stored, fsdp_axes)
+    interp = ShardingInterpreter(traced.graph_module, mesh, stored, fsdp_axes, reuse_gathers=reuse_gathers)
     dmesh = mesh.device_mesh
+    kept = list(out_placements)
 
     def local_fn(*local):
         dts = [
@@ -74,7 +82,11 @@ def lower(
         for i, (o, pl) in enumerate(zip(outs, out_placements)):
             if not isinstance(o, DTensor):
                 raise ShardingError(f"output {i} is not a tensor produced by the graph")
-            result.append(o.redistribute(dmesh, pl).to_local())
+            if pl is None:
+                kept[i] = tuple(o.placements)
+                result.append(o.to_local())
+            else:
+                result.append(o.redistribute(dmesh, pl).to_local())
         for node in list(graph.nodes)[before:]:
             node.meta["sf_source"] = "output"  # collectives that bring outputs to out_specs
         return result
@@ -82,7 +94,30 @@ def lower(
     example = local_inputs(traced, mesh, in_placements)
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
-    return Lowered(gm, list(in_placements), list(out_placements), example)
+    return Lowered(gm, list(in_placements), kept, example)
+
+
+def lower_redistribute(metas: Sequence[torch.Tensor], mesh, src: Sequence, dst: Sequence) -> Lowered:
+    """The per-rank program that moves values of global shapes ``metas`` from placements
+    ``src`` to ``dst``: a parameter gather before a pipeline stage's microbatches, or the one
+    gradient reduction after them. Its collectives are in ``graph_module`` (and in reports).
+
+        gather = lower_redistribute([w], mesh, [(Shard(0),)], [(Replicate(),)])
+        (w_full_local,) = gather.graph_module(w_shard)
+    """
+    dmesh = mesh.device_mesh
+
+    def local_fn(*local):
+        out = []
+        for t, meta, a, b in zip(local, metas, src, dst):
+            x = DTensor.from_local(t, dmesh, a, run_check=False, shape=meta.shape, stride=meta.stride())
+            out.append(x.redistribute(dmesh, b).to_local())
+        return out
+
+    example = [torch.empty(private.local_shape(m.shape, dmesh, pl), dtype=m.dtype) for m, pl in zip(metas, src)]
+    with private.faster_propagation():
+        gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    return Lowered(gm, list(src), list(dst), example)
 
 
 def collective_nodes(gm: torch.fx.GraphModule):

@@ -61,6 +61,10 @@ class Mesh:
         object.__setattr__(self, "dims", dims)
         dm = init_device_mesh(device, tuple(axes[a] for a in dims), mesh_dim_names=dims)
         object.__setattr__(self, "device_mesh", dm)
+        if not self.fake:  # DTensor's cached decisions name the groups of an equal, older mesh
+            from shardfn.core._torch_private import clear_sharding_cache
+
+            clear_sharding_cache()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -94,9 +98,30 @@ class Mesh:
                 return name
         raise KeyError(f"no mesh axis owns process group {group_name!r}")
 
+    def sub(self, names) -> "Mesh":
+        """The mesh of the axes ``names`` through this rank (the others held at its coordinate):
+        a pipeline stage's mesh is ``mesh.sub(["dp", "fsdp", "ep", "tp"])``. Its collectives run on
+        this mesh's process groups; nothing is initialised. When every kept axis has size 1 the
+        result is a one-device mesh with no device-mesh dims (``size == 1``), for code that runs
+        without DTensors.
+
+            stage_mesh = Mesh({"pp": 2, "fsdp": 2}).sub(["fsdp"])   # Mesh(fsdp=2), this rank's pp slice
+        """
+        unknown = [n for n in names if n not in self.axes]
+        if unknown:
+            raise ValueError(f"Mesh.sub: unknown axes {unknown}; the mesh has {tuple(self.axes)}")
+        sub = object.__new__(Mesh)
+        object.__setattr__(sub, "axes", {n: self.axes[n] for n in self.axes if n in names})
+        object.__setattr__(sub, "fake", self.fake)
+        object.__setattr__(sub, "device", self.device)
+        dims = tuple(d for d in self.dims if d in names and self.axes[d] > 1)
+        object.__setattr__(sub, "dims", dims)
+        object.__setattr__(sub, "device_mesh", self.device_mesh[dims] if dims else None)
+        return sub
+
     def coordinate(self) -> dict[str, int]:
         """This rank's coordinate along each axis."""
-        coord = dict(zip(self.dims, self.device_mesh.get_coordinate()))
+        coord = dict(zip(self.dims, self.device_mesh.get_coordinate())) if self.device_mesh is not None else {}
         return {a: coord.get(a, 0) for a in self.names}
 
     def __repr__(self) -> str:

@@ -13,7 +13,9 @@ cheapest strategy for the inputs it is given). Three policies sit on top:
    ``fsdp_axes``; each *use* of such a value by a compute op all-gathers it over those axes, so
    the forward and the backward each gather it and nothing gathered lives across the two.
    Slicing a layer out of a stacked weight (``select``) happens on the shard first. Element-wise
-   ops that keep the value's shape (the optimizer update) run on the shard.
+   ops that keep the value's shape (the optimizer update) run on the shard. With
+   ``reuse_gathers`` (``partition.reshard_after_forward=false``) each stored value is gathered
+   once and the gathered copy serves the backward too: fewer bytes moved, more held.
 3. **Constraints** (``sf.constrain``) redistribute to exactly their spec; so does a node whose
    ``meta["sf_force"]`` holds placements (how the auto-sharder imposes its solution).
 
@@ -84,8 +86,10 @@ class ShardingInterpreter(torch.fx.Interpreter):
         fsdp_axes: mesh-axis names a stored value is gathered over for use.
     """
 
-    def __init__(self, gm, mesh, stored: Sequence[bool], fsdp_axes: Sequence[str]):
+    def __init__(self, gm, mesh, stored: Sequence[bool], fsdp_axes: Sequence[str], *, reuse_gathers: bool = False):
         super().__init__(gm)
+        self.reuse_gathers = reuse_gathers
+        self.gathered: dict[torch.fx.Node, DTensor] = {}  # stored value -> its gathered copy (reuse_gathers)
         rules.register_all()
         self.mesh = mesh
         self.dmesh = mesh.device_mesh
@@ -222,11 +226,16 @@ class ShardingInterpreter(torch.fx.Interpreter):
             x = flat[i]
             if elementwise and out_shape == x.shape:
                 continue  # optimizer-style update on the shard
+            if self.reuse_gathers and sources[i] in self.gathered:
+                flat[i] = self.gathered[sources[i]]
+                continue
             placements = list(x.placements)
             if any(isinstance(placements[d], Shard) for d in self.fsdp_dims):
                 for d in self.fsdp_dims:
                     placements[d] = Replicate()
                 flat[i] = x.redistribute(self.dmesh, placements)
+                if self.reuse_gathers:
+                    self.gathered[sources[i]] = flat[i]
         return private.tree_unflatten(flat, spec)
 
     def _reduce_partials(self, n, target, args, kwargs):

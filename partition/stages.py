@@ -154,10 +154,22 @@ class Pipeline:
     cuts: list[str]
     valid_cuts: int
     graph_module: fx.GraphModule | None = field(default=None, repr=False)
+    regions: tuple = field(default=(), repr=False)   # the sf.local_map regions the programs call
 
     @property
     def n_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def tied(self) -> dict[str, list[int]]:
+        """``path -> stages`` of the leaves several stages hold whole (tied embedding and head):
+        each holds a copy, their gradients are summed, and the first holder's copy is the one
+        saved and counted.
+
+            pipe.tied   # {"embed": [0, 1]} for a two-stage model with tie_embeddings
+        """
+        return {p: list(o) for p, o in self.owner.items()
+                if len(o) > 1 and not any(p in self.stages[s].layer_ranges for s in o)}
 
     def describe(self) -> str:
         """One line per stage: FLOPs, parameter bytes, layer ranges, boundary shape."""
@@ -314,14 +326,16 @@ def choose_cuts(costs: Sequence[float], cuts: Sequence[CutPoint], n_stages: int)
         prefix.append(prefix[-1] + c)
     q = [0] + [c.position for c in cuts] + [len(costs)]
     inf = float("inf")
-    best = [[prefix[p] for p in q]]  # best[j][i]: cheapest max cost of j+1 stages covering [0, q[i])
+    # best[j][i]: cheapest max cost of j+1 non-empty stages covering [0, q[i]) (so i >= j+1)
+    best = [[inf] + [prefix[p] for p in q[1:]]]
     arg: list[list[int]] = [[-1] * len(q)]
     for j in range(1, n_stages):
         prev, row, back = best[-1], [inf] * len(q), [-1] * len(q)
-        for i in range(j, len(q)):
-            # the last stage is [q[u], q[i]); prev[u] grows with u while that stage's cost shrinks,
-            # so the best u is where they cross: binary search, then look at both neighbours.
-            lo, hi = j - 1, i
+        for i in range(j + 1, len(q)):
+            # the last stage is [q[u], q[i]) with u >= j (j stages before it); prev[u] grows with u
+            # while that stage's cost shrinks, so the best u is where they cross: binary search,
+            # then look at both neighbours.
+            lo, hi = j, i
             while lo < hi:
                 m = (lo + hi) // 2
                 if prev[m] >= prefix[q[i]] - prefix[q[m]]:
@@ -329,7 +343,7 @@ def choose_cuts(costs: Sequence[float], cuts: Sequence[CutPoint], n_stages: int)
                 else:
                     lo = m + 1
             for u in (lo - 1, lo):
-                if j - 1 <= u < i:
+                if j <= u < i:
                     v = max(prev[u], prefix[q[i]] - prefix[q[u]])
                     if v < row[i]:
                         row[i], back[i] = v, u
@@ -543,12 +557,14 @@ def _layer_ranges(plans: list[_Plan], traced: TracedLoss) -> dict[tuple[int, str
         if len(hs) == 1:
             continue  # one stage uses this leaf: it holds it whole
         whole = [h.index for h in hs if h.uses[p] is None]
+        if len(whole) == len(hs):
+            continue  # tied (the embedding and the output head): every stage using it holds a copy
         sets = sorted(((min(h.uses[p]), max(h.uses[p]), h) for h in hs if h.uses[p] is not None), key=lambda t: t[0])
         overlap = any(a[1] >= b[0] for a, b in zip(sets[:-1], sets[1:]))
         if whole or overlap:
             raise PipelineError(
-                f"parameter {path_of[p]!r} is used by stages {[h.index for h in hs]} (tied or shared weights); "
-                f"pipeline stages cannot share a parameter yet: untie it (e.g. a separate output head), or "
+                f"parameter {path_of[p]!r} is used by stages {[h.index for h in hs]}, some of them whole and "
+                f"some by layer (or by overlapping layers); a stage holds either whole leaves or its own layers: "
                 f"place its uses in one stage with sf.pipeline_split / a different pipeline.stages"
             )
         n_layers = node_val(p).shape[0]
@@ -637,7 +653,7 @@ def build_pipeline(loss_fn: Callable, params: Any, microbatch: Any, n_stages: in
         raise PipelineError(f"parameters {unused} are not used by the loss; the pipeline holds each parameter in "
                             f"the stage that uses it, so drop them from the tree (or use them)")
     return Pipeline(stages, dict(traced.param_specs), traced.param_treedef, owner, dict(traced.microbatch),
-                    [c.value.name for c in cuts], n_valid, traced.graph_module)
+                    [c.value.name for c in cuts], n_valid, traced.graph_module, traced.regions)
 
 
 # ----------------------------------------------------------------------------- params per stage
@@ -673,5 +689,6 @@ def merge_params(held: dict[int, dict[str, torch.Tensor]], pipe: Pipeline) -> An
             if s not in held:
                 raise ValueError(f"merge_params needs stage {s} (it holds {path!r}); got stages {sorted(held)}")
             parts.append(held[s][path])
-        leaves.append(parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+        ranged = any(path in pipe.stages[s].layer_ranges for s in holders)
+        leaves.append(torch.cat(parts, 0) if ranged else parts[0])  # a tied leaf: every holder has it whole
     return optree.tree_unflatten(pipe.param_treedef, leaves)

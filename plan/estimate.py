@@ -27,7 +27,7 @@ from shardfn.plan.inventory import (
     stage_shares,
 )
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, inflight, makespan_units, rank_stages
-from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, profile
+from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, lower_pipeline, profile
 
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 """Collective kinds in report order."""
@@ -190,16 +190,25 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     held, held_mb, sends = inflight(layout, ckpt_saved if layout.checkpointing else list(stage_saved))
 
     memory = memory_bytes(cfg, layout, dtype=dtype)
+    # a small model under pp: its real stage programs, lowered on a fake mesh, give each rank's
+    # bytes and collectives exactly (the run reports the same numbers)
+    pipeline = lower_pipeline(cfg, layout, dtype=dtype) if layout.pp > 1 and _exact_pipeline(mcfg) else None
     ranks, rank_comm = [], []
     for r, (share, owned) in enumerate(zip(rank_shares(model, cfg, layout, dtype), rank_stages(layout))):
         mb_comm = {}
         for s in owned:
             mb_comm = comm_add(mb_comm, stage_comm[s])
         step_comm = _step_comm(prof, share, leaves, tied)
-        rows_out = _comm_rows(mb_comm, layout.microbatches, step_comm)
-        rows_out += _estimated_rows(layout, share, ep_bytes, input_bytes, sends[r])
+        if pipeline is not None:
+            rows_out = _pipeline_rows(pipeline.comm_report(r))
+            rows_out += [row for row in _estimated_rows(layout, share, ep_bytes, input_bytes, sends[r])
+                         if row["op"] == "all_to_all"]
+            mem = pipeline.memory_report(r)   # "gathered": parameters held gathered for the whole step
+        else:
+            rows_out = _comm_rows(mb_comm, layout.microbatches, step_comm)
+            rows_out += _estimated_rows(layout, share, ep_bytes, input_bytes, sends[r])
+            mem = memory[r]
         transient = _transient(leaves, share, layer_saved, layout, tied)
-        mem = memory[r]
         ranks.append({
             "pp_rank": r, "stages": list(owned), "layers": [list(x) for x in share.layer_ranges],
             "layer_counts": dict(share.counts),
@@ -207,15 +216,17 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
             "activation_bytes_per_microbatch": sum(stage_saved[s] for s in owned),
             "activation_bytes_per_microbatch_checkpointed": sum(ckpt_saved[s] for s in owned),
             "inflight_microbatches": held_mb[r], "activation_bytes": held[r], "transient_bytes": transient,
-            "peak_bytes": mem["params"] + mem["grads"] + mem["opt_state"] + held[r] + transient,
-            "comm_bytes": by_axis(rows_out),
+            "gathered_bytes": mem.get("gathered", 0),
+            "peak_bytes": (mem["params"] + mem["grads"] + mem["opt_state"] + mem.get("gathered", 0) + held[r]
+                           + transient),
+            "comm_bytes": by_axis(rows_out), "comm": rows_out,
         })
         rank_comm.append((rows_out, step_comm))
 
     hw_time = step_time(cfg, layout, hw, facts, stages, stage_comm, [c for _, c in rank_comm], tokens_mb,
                          ep_bytes, input_bytes, dtype)
     b = max(range(len(ranks)), key=lambda i: ranks[i]["peak_bytes"])
-    per_rank = {k: v for k, v in ranks[b].items() if k != "comm_bytes"}
+    per_rank = {k: v for k, v in ranks[b].items() if k not in ("comm_bytes", "comm")}
     capacity = int(cfg.partition.memory_budget or hw.hbm_bytes)
     counts = model.param_counts(mcfg)
     notes = []
@@ -226,8 +237,10 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     if layout.n_stages > 1 and layer_costs(cfg.model_name, mcfg, rows, cfg.train.seq_len, dtype) is None:
         notes.append("stages split by layer count: the loss has no cut between layers (each layer's auxiliary "
                      "balance loss reaches the final loss), so the pipeline runtime cannot split it yet")
-    if layout.pp > 1 and any(getattr(layout, a) > 1 for a in ("fsdp", "tp")):
-        notes.append("planned only: the pipeline executor composes mesh.pp with mesh.dp and mesh.ep so far")
+    if layout.pp > 1:
+        notes.append("bytes and collectives per rank from the lowered stage programs" if pipeline is not None else
+                     "pipeline collectives from per-layer traces of the stage mesh; gradient sums held unsharded "
+                     "over fsdp until the step's reduction")
     return Plan(
         model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(dtype), layout=layout,
         batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
@@ -240,6 +253,18 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
                "lowered": [dict(t) for t in prof.traces], "seconds": round(prof.seconds, 3)},
         notes=notes,
     )
+
+
+def _exact_pipeline(model_cfg) -> bool:
+    """Small enough to lower every stage's real programs when planning."""
+    return model_cfg.n_layers <= FULL_TRACE_MAX_LAYERS
+
+
+def _pipeline_rows(rows: list[dict]) -> list[dict]:
+    """A pipeline step's static comm report as plan rows (``source``: ``trace``, P2P ``schedule``)."""
+    order = {op: i for i, op in enumerate(COMM_OPS)}
+    out = [{**r, "source": "schedule" if r["op"] == "p2p" else "trace"} for r in rows if "layer" not in r]
+    return sorted(out, key=lambda r: (order.get(r["op"], 99), MESH_AXES.index(r["axis"])))
 
 
 def by_axis(rows: Iterable[dict]) -> dict:

@@ -220,7 +220,16 @@ def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> 
     for share in rank_shares(model, cfg, layout, dtype):
         p = sum(local_numel(leaf, share, tied) * leaf.itemsize for leaf in leaves)
         opt = state_bytes(state, params, lambda path, size, s=share: local_numel(by_path[path], s, tied) * size)
-        out.append({"params": p, "grads": p, "opt_state": opt})
+        row = {"params": p, "grads": p, "opt_state": opt, "gathered": 0}
+        if layout.pp > 1 and layout.fsdp > 1:
+            # a pipeline sums each stage's gradients over its microbatches unsharded over fsdp
+            # and (partition.reshard_after_forward null/false) holds its gathered parameters
+            whole = sum(local_numel(leaf, share, tied) * leaf.itemsize * (layout.fsdp if "fsdp" in leaf.spec.axes()
+                                                                          else 1) for leaf in leaves)
+            row["grads"] = whole
+            if cfg.partition.reshard_after_forward is not True:
+                row["gathered"] = whole - p
+        out.append(row)
     return out
 
 

@@ -117,6 +117,34 @@ def lower_step(cfg, *, dtype: torch.dtype = torch.float32):
     return step.jitted.lower(params, state, batch)
 
 
+def lower_pipeline(cfg, layout=None, *, dtype: torch.dtype = torch.float32):
+    """The run's pipeline step (``mesh.pp > 1``) built on a fake mesh of the layout, with every
+    stage's programs partitioned on its stage mesh: ``step.comm_report(r)`` and
+    ``step.memory_report(r)`` are what pipeline rank ``r`` of the real run reports, for the
+    collectives the programs and the step run (the MoE all-to-alls depend on routing). Nothing
+    is allocated or run.
+
+    Example:
+        step = lower_pipeline(load_config("moe_tiny", ["mesh.pp=2", "mesh.fsdp=2", "mesh.ep=2"]))
+        step.comm_report(1), step.memory_report(1)
+    """
+    from shardfn import models
+    from shardfn.partition.layouts import mesh_axes
+    from shardfn.partition.mesh import fake_mesh
+    from shardfn.runtime.param_source import abstract
+    from shardfn.runtime.pipeline_step import build_pipeline_step
+
+    if layout is not None:
+        cfg = dataclasses.replace(
+            cfg, mesh=dataclasses.replace(cfg.mesh, **layout.axes()),
+            pipeline=dataclasses.replace(cfg.pipeline, schedule=layout.schedule, microbatches=layout.microbatches,
+                                         stages=layout.n_stages))
+    model = models.get(cfg.model_name)
+    params = abstract(model.init(cfg.model, 0, device="meta", dtype=dtype), "cpu")
+    mesh = fake_mesh(mesh_axes(cfg.mesh.axes()))
+    return build_pipeline_step(cfg, model, params, mesh=mesh, all_stages=True)
+
+
 def _output_index(traced, path: tuple) -> int:
     tree = optree.tree_unflatten(traced.out_treedef, list(range(len(traced.out_meta))))
     paths, leaves, _ = optree.tree_flatten_with_path(tree, none_is_leaf=False)

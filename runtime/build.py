@@ -5,8 +5,8 @@ whatever its layout.
 - a mesh of more than one device: that step partitioned by ``sf.jit`` (``runtime.partitioned``);
 - ``mesh.pp > 1``: this rank's pipeline stages run by a schedule (``runtime.pipeline_step``).
 
-    step = build_step(cfg, model, params)
-    params, opt_state = step.place(params)
+    step = build_step(cfg, model, abstract(shapes, device))
+    params, opt_state = step.place(source)          # a full tree, or source(regions) -> {path: tensor}
     params, opt_state, metrics = step(params, opt_state, batch)
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from shardfn.core.pytree import PyTree
+from shardfn.runtime.param_source import full_tree
 from shardfn.runtime.step import Step, identity_state
 from shardfn.runtime.train_step import make_optimizer, make_train_step
 
@@ -25,7 +26,9 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
     Args:
         cfg: a run config (``shardfn.config.RunConfig``).
         model: its model module (``models.get(cfg.model_name)``).
-        params: a parameter tree (real or fake tensors) giving shapes and dtypes.
+        params: a parameter tree (real or fake tensors, on the run's device) giving shapes and
+            dtypes (``runtime.param_source.abstract``); ``step.place`` then builds the state from a
+            full tree or a source of regions, each rank only its own blocks.
         record: pipelines: time every action, for ``step.write_trace``.
 
     Example:
@@ -40,12 +43,12 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
         from shardfn.runtime.partitioned import mesh_from_config, mesh_step
 
         return mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))
-    return device_step(cfg, model, optimizer)
+    return device_step(cfg, model, optimizer, params)
 
 
-def device_step(cfg, model, optimizer) -> Step:
+def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
     """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors, ``torch.compile``'d when
-    ``train.compile`` is set.
+    ``train.compile`` is set. ``like`` gives the tree's shapes for a ``place`` from a source.
 
     Example:
         step = device_step(cfg, llama, make_optimizer(cfg.train, llama))
@@ -53,5 +56,9 @@ def device_step(cfg, model, optimizer) -> Step:
     fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip")
     if cfg.train.compile:
         fn = torch.compile(fn)
-    return Step("device", fn, optimizer, lambda params: (params, optimizer.init(params)), identity_state,
-                identity_state, lambda params: params)
+
+    def place(params_or_source):
+        params = full_tree(params_or_source, like)
+        return params, optimizer.init(params)
+
+    return Step("device", fn, optimizer, place, identity_state, identity_state, lambda params: params)

@@ -240,46 +240,6 @@ def _(handle, grad_y, weights, w1, w2, w3, s1, s2, s3, exchange):
     return [torch.empty_like(t) for t in like]
 
 
-class _ExpertExchange(torch.autograd.Function):
-    """``shardfn::ep_experts`` with ``shardfn::ep_experts_backward`` as its derivative, in the form
-    ``torch.func`` transforms accept (``setup_context``): pipeline stages differentiate it with
-    ``torch.func.vjp``, and their joint graphs keep both ops as opaque calls."""
-
-    @staticmethod
-    def forward(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange):
-        y, info = torch.ops.shardfn.ep_experts(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts,
-                                               capacity_factor, exchange)
-        return y, info
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, _, weights, w1, w2, w3, s1, s2, s3 = inputs[:9]
-        ctx.exchange = inputs[-1]
-        ctx.shared = s1 is not None
-        ctx.save_for_backward(output[1], weights, w1, w2, w3, *((s1, s2, s3) if ctx.shared else ()))
-        ctx.mark_non_differentiable(output[1])
-
-    @staticmethod
-    def backward(ctx, grad_y, _):
-        info, weights, w1, w2, w3, *s = ctx.saved_tensors
-        s1, s2, s3 = s if ctx.shared else (None, None, None)
-        dx, dweights, dw1, dw2, dw3, *ds = torch.ops.shardfn.ep_experts_backward(
-            info, grad_y.contiguous(), weights, w1, w2, w3, s1, s2, s3, ctx.exchange)
-        return (dx, None, dweights, dw1, dw2, dw3, *(ds or (None, None, None)), None, None, None, None)
-
-
-def ep_experts(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name: str, n_experts: int,
-               capacity_factor: float = 0.0, exchange: int = 0) -> list[torch.Tensor]:
-    """``torch.ops.shardfn.ep_experts`` made differentiable (``torch.autograd`` and ``torch.func``):
-    ``[y [T, D], info [2]]``; the backward runs ``shardfn::ep_experts_backward`` (two all-to-alls).
-    ``exchange`` is the id of the :class:`Exchange` that records them (:func:`register_exchange`).
-
-        y, _ = ep_experts(x, idx, w, w1, w2, w3, None, None, None, ep_group.group_name, 8, 0.0, exchange_id)
-    """
-    return list(_ExpertExchange.apply(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts,
-                                      capacity_factor, exchange))
-
-
 def register_exchange(exchange: Exchange) -> int:
     """The id the exchange ops take for ``exchange`` (held weakly: its owner keeps it alive)."""
     return _exchanges.add(exchange)

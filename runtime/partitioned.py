@@ -20,7 +20,14 @@ from torch.distributed.tensor import DTensor
 import shardfn as sf
 from shardfn.core import optim
 from shardfn.core.pytree import tree_map
-from shardfn.partition.layouts import batch_spec, mesh_axes, param_specs, resolve_rules, state_specs
+from shardfn.partition.layouts import (
+    batch_spec,
+    mesh_axes,
+    param_specs,
+    reshard_after_forward,
+    resolve_rules,
+    state_specs,
+)
 from shardfn.partition.spec import P
 from shardfn.runtime.step import Step, identity_state
 
@@ -87,24 +94,37 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         in_specs=in_specs, memory_budget=cfg.partition.memory_budget,
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
+        reshard_after_forward=reshard_after_forward(cfg),
     )
+    last: dict = {}
 
     def run(params, opt_state, batch):
+        last["lowered"] = jitted.lower(params, opt_state, batch)  # cached after the first call
         params, opt_state, metrics = jitted(params, opt_state, batch)
         return params, opt_state, {k: v.to_local() if isinstance(v, DTensor) else v for k, v in metrics.items()}
 
-    def place(params_full):
-        return (distribute(params_full, specs["params"], mesh),
-                distribute(optimizer.init(params_full), specs["opt_state"], mesh))
+    def report(kind):
+        def read():
+            if "lowered" not in last:
+                raise RuntimeError("a mesh step reports on the program it ran: call it once first")
+            return getattr(last["lowered"], kind)()
+        return read
+
+    def place(params_or_source):
+        from shardfn.runtime.param_source import sharded_tree
+
+        placed = sharded_tree(params_or_source, params, specs["params"], mesh)  # each rank builds its shards
+        return placed, distribute(optimizer.init(placed), specs["opt_state"], mesh)
 
     return Step("mesh", run, optimizer, place, identity_state, identity_state, full, specs=specs, mesh=mesh,
-                jitted=jitted)
+                jitted=jitted, comm_report=report("comm_report"), memory_report=report("memory_report"))
 
 
 def distribute(tree: Any, specs: Any, mesh) -> Any:
     """``tree``'s leaves as DTensors laid out by ``specs`` (a pytree prefix of ``P``) on ``mesh``.
 
-    Every rank holds the full tree; each keeps its own shard, with no communication.
+    Every rank holds the full tree; each keeps its own shard, with no communication. DTensor
+    leaves are kept as they are (an optimizer state made from placed parameters).
 
     Example:
         params = distribute(params, specs["params"], mesh)
@@ -116,7 +136,8 @@ def distribute(tree: Any, specs: Any, mesh) -> Any:
     leaves, treedef = optree.tree_flatten(tree, none_is_leaf=False)
     specs = broadcast_specs(specs, tree, what="specs")
     dmesh = mesh.device_mesh
-    out = [distribute_tensor(x.detach(), dmesh, mesh.placements(s, x.ndim), src_data_rank=None)
+    out = [x if isinstance(x, DTensor) else distribute_tensor(x.detach(), dmesh, mesh.placements(s, x.ndim),
+                                                               src_data_rank=None)
            for x, s in zip(leaves, specs)]
     return optree.tree_unflatten(treedef, out)
 

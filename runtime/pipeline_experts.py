@@ -1,20 +1,18 @@
-"""MoE layers inside pipeline stages: routed experts split over ``ep``, and router-bias balancing.
+"""MoE layers inside pipeline stages: the routed experts on the stage's mesh, and router-bias balancing.
 
-With ``mesh.ep > 1`` every rank of a stage holds ``n_experts / ep`` experts of each MoE layer (a
-slice of the stacked ``[L, E, ...]`` leaves along their ``expert`` dim), and the stage programs
-are traced with those slices and with the routed experts replaced by the eager all-to-all
-exchange of :mod:`shardfn.runtime.moe_dispatch` over the ``ep`` group: one opaque op in F (the
-dispatch, the local experts, the combine) and its backward op in I (the expert weight gradients
-come out of the same op; W only stacks them). Tokens stay split over ``dp x ep``.
+A pipelined loss runs its routed experts as the SPMD step does (``runtime.partitioned.expert_region``
+on the stage's mesh): with ``mesh.ep > 1`` a per-rank region whose all-to-all exchange over ``ep``
+runs in the runtime (``runtime.moe_dispatch``), one opaque op in F and its backward op in I (the
+expert weight gradients come out of the same op); otherwise each rank's tokens through whole
+experts. On a one-device stage mesh the experts run in the stage's programs directly.
 
 Every MoE layer of a pipelined loss also counts its tokens per expert at run time (an identity
-op on the routing weights), so the step can run the model's ``aux_update`` (router-bias
-balancing) on each stage exactly as the one-device step does from ``aux["expert_counts"]``,
-which a pipelined loss cannot return.
+op on the routing weights, in a per-rank region on a stage mesh), so the step can run the
+model's ``aux_update`` (router-bias balancing) on each stage exactly as the one-device step does
+from ``aux["expert_counts"]``, which a pipelined loss cannot return.
 
-    layout = expert_layout(moe, cfg.model)                # which leaves are split over ep
-    loss_fn = stage_loss(moe, cfg.model, recorder, ep_group)   # what build_pipeline traces
-    held = shard_experts(params, layout.dims, ep_rank, ep)
+    layout = expert_layout(moe, cfg.model)                       # n_experts, MoE layers, expert leaves
+    loss_fn = stage_loss(moe, cfg.model, recorder, stage_mesh, batch_spec)   # what build_pipeline traces
 """
 
 from __future__ import annotations
@@ -24,9 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from shardfn.core.pytree import PyTree, map_with_path
 from shardfn.core.registry import Registry
 
 
@@ -35,7 +31,7 @@ class ExpertLayout:
     """Where a model's routed experts live.
 
     Attributes:
-        dims: ``path -> dim`` of each leaf's ``expert`` dim (split over ``ep``).
+        dims: ``path -> dim`` of each leaf's ``expert`` dim.
         n_experts: routed experts per MoE layer (``model.layout_units(cfg)["expert"]``).
         n_layers: MoE layers (the layers whose tokens per expert a step counts).
     """
@@ -62,90 +58,36 @@ def expert_layout(model, model_cfg) -> ExpertLayout | None:
     return ExpertLayout(dims, units["expert"][1], sum(stacks[k] for k in expert_stacks))
 
 
-def counted_layers(stage) -> list[int]:
-    """The MoE layers (in counting order) whose tokens per expert ``stage``'s forward counts:
-    the rows of the router bias slice it holds.
+def counted_layers(stage, layout: ExpertLayout) -> list[int]:
+    """The MoE layers (in counting order) whose tokens per expert ``stage``'s forward counts: the
+    layers of the expert leaves it holds.
 
-        counted_layers(pipe.stages[1])  # [1]
+        counted_layers(pipe.stages[1], layout)  # [1]
     """
-    return [n.args[2] for n in stage.forward.graph.nodes
-            if n.op == "call_function" and n.target in (count_experts, torch.ops.shardfn.count_experts.default)]
-
-
-# ----------------------------------------------------------------------------- expert shards
-
-
-def shard_experts(tree: PyTree, dims: dict[str, int], rank: int, n: int) -> PyTree:
-    """``tree`` with each leaf in ``dims`` narrowed to the ``rank``-th of ``n`` equal slices of its
-    expert dim (views; paths may carry a prefix such as ``stage1.``).
-
-        shard_experts(params, {"moe_layers.experts.w1": 1}, 1, 2)  # experts 4..7 of 8
-    """
-    if n == 1:
-        return tree
-
-    def cut(path, x):
-        dim = expert_dim(path, dims)
-        if dim is None:
-            return x
-        size = x.shape[dim] // n
-        return x.narrow(dim, rank * size, size)
-
-    return map_with_path(cut, tree)
-
-
-def gather_experts(tree: PyTree, dims: dict[str, int], n: int, group) -> PyTree:
-    """Inverse of :func:`shard_experts`: each leaf in ``dims`` all-gathered over ``group``.
-
-        full = gather_experts(local, layout.dims, ep, ep_group)
-    """
-    if n == 1:
-        return tree
-
-    def join(path, x):
-        dim = expert_dim(path, dims)
-        if dim is None:
-            return x
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim)
-
-    return map_with_path(join, tree)
-
-
-def expert_dim(path: str, dims: dict[str, int]) -> int | None:
-    """The expert dim of the leaf at ``path`` (a model path, or one under a ``stage<s>.`` key).
-
-        expert_dim("stage1.moe_layers.experts.w2", {"moe_layers.experts.w2": 1})  # 1
-    """
-    if path in dims:
-        return dims[path]
-    head, _, rest = path.partition(".")
-    return dims.get(rest) if head.startswith("stage") else None
+    for path in stage.param_paths:
+        if path in layout.dims:
+            lo, hi = stage.layer_ranges.get(path, (0, layout.n_layers))
+            return list(range(lo, hi))
+    return []
 
 
 # ----------------------------------------------------------------------------- expert counts
 
 
 class Recorder:
-    """What the MoE layers of one pipeline rank record while its stages run: tokens per expert of
-    each layer (``counts``: ``layer -> [E]`` int64, summed over microbatches) and, with expert
-    parallelism, the token exchanges (``exchange``). The step owns it and starts it afresh each call.
+    """The tokens per expert the MoE layers of one pipeline rank count while its stages run:
+    ``counts``, ``layer -> [E]`` int64, summed over microbatches. The step owns it and starts it
+    afresh each call.
 
         rec = Recorder(); rec.reset(); ...; rec.counts   # {0: tensor([...]), 1: ...}
     """
 
     def __init__(self):
-        from shardfn.runtime.moe_dispatch import Exchange, register_exchange
-
         self.counts: dict[int, torch.Tensor] = {}
-        self.exchange = Exchange()
         self.id = _recorders.add(self)
-        self.exchange_id = register_exchange(self.exchange)
 
     def reset(self) -> None:
         self.counts = {}
-        self.exchange.reset()
 
     def add(self, layer: int, counts: torch.Tensor) -> None:
         self.counts[layer] = counts if layer not in self.counts else self.counts[layer] + counts
@@ -197,10 +139,8 @@ def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_ex
 
 def _register() -> None:
     from shardfn.partition.fiw import register_differentiable
-    from shardfn.runtime import moe_dispatch
 
     register_differentiable(torch.ops.shardfn.count_experts.default, count_experts)
-    register_differentiable(torch.ops.shardfn.ep_experts.default, moe_dispatch.ep_experts)
 
 
 _register()
@@ -209,43 +149,62 @@ _register()
 # ----------------------------------------------------------------------------- the traced loss
 
 
-def routed_fn(n_experts: int, recorder: Recorder, ep_group=None, capacity_factor: float = 0.0) -> Callable:
-    """``routed(x, indices, weights, w1, w2, w3) -> y`` for the MoE layers of one traced loss: the
-    ``i``-th call counts its tokens as layer ``i`` into ``recorder``, then runs the experts on this
-    device (whole ``[E, ...]`` weights) or, with ``ep_group``, through the all-to-all exchange over
-    it (``[E / ep, ...]`` weights: this rank's experts), recorded in ``recorder.exchange``.
+def counting_region(layer: int, n_experts: int, recorder: "Recorder", tokens):
+    """``(indices, weights) -> weights`` as a per-rank region (tokens split by ``tokens``, a ``P``):
+    each rank adds its own tokens per expert to ``recorder`` as MoE layer ``layer``."""
+    from shardfn.partition.local_map import local_map
 
-        loss = moe.loss(params_local, microbatch, cfg, experts=routed_fn(8, recorder, ep_group))
+    def count(indices, weights):
+        return torch.ops.shardfn.count_experts(indices, weights, layer, n_experts, recorder.id)
+
+    return local_map(count, in_specs=(tokens, tokens), out_specs=tokens,
+                     bwd=lambda inputs, outputs, cotangent: (None, cotangent))
+
+
+def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = None, tokens=None) -> Callable:
+    """``routed(x, indices, weights, w1, w2, w3) -> y`` for the MoE layers of one traced loss: the
+    ``i``-th call counts its tokens as layer ``i`` into ``recorder``, then runs ``experts`` (the
+    stage mesh's region, ``runtime.partitioned.expert_region``; None: whole experts here). With
+    ``tokens`` (the batch spec of a stage mesh) the count is a per-rank region too.
+
+        loss = moe.loss(params, microbatch, cfg, experts=routed_fn(8, recorder))
     """
     from shardfn.core import moe
-    from shardfn.runtime import moe_dispatch
 
     layers = itertools.count()
-    group_name = ep_group.group_name if ep_group is not None else None
+    run = experts or moe.routed_experts
 
     def routed(x, indices, weights, w1, w2, w3):
-        weights = count_experts(indices, weights, next(layers), n_experts, recorder.id)
-        if group_name is None:
-            return moe.routed_experts(x, indices, weights, w1, w2, w3)
-        return moe_dispatch.ep_experts(x, indices, weights, w1, w2, w3, None, None, None, group_name, n_experts,
-                                       capacity_factor, recorder.exchange_id)[0]
+        layer = next(layers)
+        if tokens is None:
+            weights = count_experts(indices, weights, layer, n_experts, recorder.id)
+        else:
+            weights = counting_region(layer, n_experts, recorder, tokens)(indices, weights)
+        return run(x, indices, weights, w1, w2, w3)
 
     return routed
 
 
-def stage_loss(model, model_cfg, recorder: Recorder, ep_group=None) -> Callable:
+def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None) -> Callable:
     """``loss_fn(params, batch)`` for :func:`~shardfn.partition.stages.build_pipeline`: the
-    model's loss with its MoE layers counted into ``recorder`` and, with ``ep_group``,
-    expert-parallel.
+    model's loss with its MoE layers counted into ``recorder`` and run as the stage's ``mesh``
+    runs them (an expert-parallel exchange with ``mesh.ep > 1``); ``batch`` is the batch spec
+    on that mesh. Without a mesh (or on one device) everything runs in the stage's programs.
 
-        pipe = build_pipeline(stage_loss(moe, cfg.model, Recorder(), ep_group), held, microbatch, 2)
+        pipe = build_pipeline(stage_loss(moe, cfg.model, Recorder(), mesh, P("ep")), params, microbatch, 2)
     """
     layout = expert_layout(model, model_cfg)
     if layout is None:
         return lambda params, batch: model.loss(params, batch, model_cfg)
-    n_experts, capacity = layout.n_experts, model_cfg.capacity_factor
+    experts, tokens = None, None
+    if mesh is not None and mesh.size > 1:
+        from shardfn.runtime.partitioned import expert_region
 
-    def loss_fn(params, batch):
-        return model.loss(params, batch, model_cfg, experts=routed_fn(n_experts, recorder, ep_group, capacity))
+        experts = expert_region(model, model_cfg, mesh, {"batch": batch})
+        tokens = batch
+
+    def loss_fn(params, microbatch):
+        return model.loss(params, microbatch, model_cfg,
+                          experts=routed_fn(layout.n_experts, recorder, experts, tokens))
 
     return loss_fn

@@ -36,8 +36,9 @@ class Step:
             global batch, ``metrics`` 0-d tensors (``loss``, ``grad_norm``, ``lr`` and the model's
             aux metrics), the same on every rank.
         optimizer: the run's optimizer (clipping by the norm this layout needs).
-        place: ``params -> (params, opt_state)``: a full parameter tree (every rank holds it) in
-            this layout, with a fresh optimizer state.
+        place: ``params -> (params, opt_state)``: the parameters in this layout, with a fresh
+            optimizer state, from a full tree (every rank holds it) or a source of regions
+            (``runtime.param_source``: each rank builds only its own blocks).
         to_checkpoint: ``(params, opt_state) -> (params, opt_state)`` as a checkpoint writes them
             and a load fills them in place (tensors, DTensors, or ``checkpoint_blocks.Blocks``).
         from_checkpoint: the inverse of ``to_checkpoint`` after a load.
@@ -47,6 +48,10 @@ class Step:
         jitted: the ``sf.jit`` program of a mesh step (its ``lower(...)`` gives the reports).
         write_trace: pipelines: ``path -> Path | None`` writes the last step's action timings
             (every rank calls it; rank 0 writes); None where there is no schedule to trace.
+        comm_report: ``() -> rows``: the collectives of one step on this rank, ``{op, axis,
+            bytes, count}`` (None on one device).
+        memory_report: ``() -> dict``: bytes this rank holds (``params``, ``grads``,
+            ``opt_state``, ...; None on one device).
     """
 
     layout: str
@@ -60,6 +65,8 @@ class Step:
     mesh: Any = None
     jitted: Any = None
     write_trace: Callable[[str | os.PathLike], Path | None] | None = None
+    comm_report: Callable[[], list[dict]] | None = None
+    memory_report: Callable[[], dict] | None = None
 
     def __call__(self, params: PyTree, opt_state: Any, batch: dict) -> tuple[PyTree, Any, dict]:
         return self.run(params, opt_state, batch)

@@ -24,6 +24,7 @@ from shardfn.core.pytree import PyTree, count
 from shardfn.runtime import checkpoint, data, launch
 from shardfn.runtime.build import build_step
 from shardfn.runtime.checkpoint import save_checkpoint
+from shardfn.runtime.param_source import abstract
 
 # ----------------------------------------------------------------------------- the loop
 
@@ -97,15 +98,18 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     if t.init_from:  # Hugging Face safetensors (models/hf.py); checkpoints still resume over them
         from shardfn.models import hf
 
-        params = hf.load(t.init_from, cfg.model_name, cfg.model, device=device)
+        def source(regions):
+            return hf.load(t.init_from, cfg.model_name, cfg.model, device=device, regions=regions)
     else:
-        params = model.init(cfg.model, t.seed, device=device)
+        def source(regions):
+            return model.init(cfg.model, t.seed, device=device, regions=regions)
     start = 0
     ckpt = t.checkpoint
     found = checkpoint.resume_path(ckpt)  # by train.checkpoint.resume; None: step 0
-    step_fn = build_step(cfg, model, params, record=trace_dir is not None)
-    n_params = count(params)
-    params, opt_state = step_fn.place(params)
+    shapes = model.init(cfg.model, t.seed, device="meta")
+    step_fn = build_step(cfg, model, abstract(shapes, device), record=trace_dir is not None)
+    n_params = count(shapes)
+    params, opt_state = step_fn.place(source)  # each rank builds only what it holds
     if found is not None:  # in the step's layout: DTensors of its specs on a mesh, whatever mesh saved it
         start, params, opt_state, *_ = checkpoint.restore(found, step_fn, params, opt_state, config=cfg.to_dict())
         log(f"resuming from {found} (step {start})")

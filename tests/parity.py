@@ -2,6 +2,8 @@
 a mesh (in spawned gloo ranks), returning losses, first-step gradients, final parameters and the
 step's memory and communication reports."""
 
+from typing import NamedTuple
+
 import torch
 
 import shardfn as sf
@@ -73,13 +75,25 @@ def _flat(tree):
     return dict(flatten_with_paths(tree))
 
 
+class Reference(NamedTuple):
+    """One device's run: losses and gradient norms per step, first-step gradients, final params."""
+
+    losses: torch.Tensor
+    grads: dict
+    params: dict
+    norms: torch.Tensor
+
+
 def assert_matches(out, ref, *, rtol=1e-5):
-    """Every rank's losses, first-step gradients and final parameters against one device's."""
+    """Every rank's losses (and gradient norms, when it reports them), first-step gradients and
+    final parameters against one device's."""
     from shardfn.core.pytree import flatten_with_paths
 
-    ref_losses, ref_grads, ref_params = ref
+    ref_losses, ref_grads, ref_params = ref.losses, ref.grads, ref.params
     for rank_out in out:
         torch.testing.assert_close(rank_out["losses"], ref_losses, rtol=rtol, atol=1e-6)
+        if "norms" in rank_out:
+            torch.testing.assert_close(rank_out["norms"], ref.norms, rtol=rtol, atol=1e-6)
         got_g, got_p = _flat(rank_out["grads"]), _flat(rank_out["params"])
         for path, g in flatten_with_paths(ref_grads):
             torch.testing.assert_close(got_g[path], g, rtol=rtol, atol=1e-6, msg=lambda m: f"grad {path}: {m}")
@@ -95,10 +109,47 @@ def reference(config=None, overrides=()):
     state = opt.init(params)
     step = make_train_step(model, cfg.model, opt)
     _, grads0 = _grad_fn(model, cfg)(params, batches[0])
-    losses = []
+    losses, norms = [], []
     for b in batches:
         params, state, metrics = step(params, state, b)
         losses.append(metrics["loss"])
-    return torch.stack(losses), grads0, params
+        norms.append(metrics["grad_norm"])
+    return Reference(torch.stack(losses), grads0, params, torch.stack(norms))
 
 
+
+
+def pipeline_worker(runs):
+    """Each ``(config, overrides)`` of ``runs`` as a pipeline step (``mesh.pp > 1``) on these ranks:
+    losses and gradient norms per step, the first step's gradients and the final parameters as
+    full trees, and the step's reports."""
+    from shardfn.runtime.pipeline_step import build_pipeline_step
+
+    out = []
+    for config, overrides in runs:
+        cfg, model, params, _, batches = setup(overrides, config)
+        step = build_pipeline_step(cfg, model, params)
+        local = step.scatter(params)
+        state = step.optimizer.init(local)
+        losses, norms, grads = [], [], None
+        for b in batches:
+            local, state, metrics = step(local, state, b)
+            grads = step.gather(step.last_grads) if grads is None else grads
+            losses.append(metrics["loss"])
+            norms.append(metrics["grad_norm"])
+        out.append({"losses": torch.stack(losses), "norms": torch.stack(norms), "grads": grads,
+                    "params": step.gather(local), "comm": step.comm_report(), "memory": step.memory_report(),
+                    "pp_rank": step.pp_rank, "stages": step.stages})
+    return out
+
+
+def run_pipelines(runs, nproc):
+    """:func:`pipeline_worker` on ``nproc`` gloo ranks, once per session for each list of runs:
+    ``[per run: [per rank: result]]``."""
+    from shardfn.runtime.launch import spawn
+
+    key = ("pipeline", tuple((c, tuple(o)) for c, o in runs), nproc)
+    if key not in _RUNS:
+        per_rank = spawn(pipeline_worker, nproc, args=([(c, list(o)) for c, o in runs],), timeout_s=900)
+        _RUNS[key] = [[rank[i] for rank in per_rank] for i in range(len(runs))]
+    return _RUNS[key]

@@ -344,8 +344,11 @@ def _pipeline_resume_worker(config, mesh, d):
     }
 
 
-@pytest.mark.parametrize("config,mesh,nproc", [("llama_tiny", ["mesh.pp=2"], 2),
-                                               ("moe_tiny", ["mesh.pp=2", "mesh.ep=2"], 4)], ids=["pp2", "pp2xep2"])
+@pytest.mark.parametrize("config,mesh,nproc", [
+    ("llama_tiny", ["mesh.pp=2"], 2),
+    ("moe_tiny", ["mesh.pp=2", "mesh.ep=2"], 4),
+    pytest.param("moe_tiny", ["mesh.pp=2", "mesh.fsdp=2", "mesh.ep=2"], 8, marks=pytest.mark.slow),
+], ids=["pp2", "pp2xep2", "pp2xfsdp2xep2"])
 def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, config, mesh, nproc):
     one = [*PP, "train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/one"]
     on_one = [r["loss"] for r in _run(config, one).history]
@@ -369,6 +372,9 @@ def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, co
     if "mesh.ep=2" in mesh:
         experts = [md for k, md in params.items() if ".experts." in k]
         assert experts and all({c.offsets[1] for c in md.chunks} == {0, md.size[1] // 2} for md in experts)
+    if "mesh.fsdp=2" in mesh:  # the embed dim (2 of an expert leaf [layers, E, embed, F]) split too
+        w1 = params["params.moe_layers.experts.w1"]
+        assert {c.offsets[2] for c in w1.chunks} == {0, w1.size[2] // 2}
     assert ck.read_meta(path)["world_size"] == nproc and len(list(path.glob("*.distcp"))) == nproc
     # one device resumes from the pp checkpoint
     assert ck.load_checkpoint(path, *_fresh(cfg)).step == 2

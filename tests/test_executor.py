@@ -69,14 +69,12 @@ def reference(steps):
 
 def _pipeline_worker(axes, names, m, steps, use_mesh):
     mesh = sf.Mesh(axes)
-    pp, dp = axes["pp"], axes.get("dp", 1)
-    microbatch = {k: v[: BATCH // (dp * m)] for k, v in batches(1)[0].items()}
+    pp = axes["pp"]
+    microbatch = {k: v[: BATCH // m] for k, v in batches(1)[0].items()}  # traced at global shapes
     scheds = {name: get_schedule(name, pp, m) for name in names}
-    rank = mesh.coordinate()["pp"]
-    mine: dict[int, set] = {}  # one split per stage count, with F/I/W for every stage this rank runs
-    for sched in scheds.values():
-        mine.setdefault(sched.n_stages, set()).update(sched.stages_of(rank))
-    pipes = {n: build_pipeline(tiny_loss, tiny_params(), microbatch, n, split=s) for n, s in mine.items()}
+    # one split per stage count; each step builds the programs of its rank's stages
+    pipes = {n: build_pipeline(tiny_loss, tiny_params(), microbatch, n, split=())
+             for n in {sched.n_stages for sched in scheds.values()}}
     out = {}
     for name, sched in scheds.items():
         # without a mesh the default group is the pp group
@@ -239,8 +237,9 @@ def test_llama_tiny_config_matches_the_one_device_step():
 @pytest.mark.slow
 def test_compiled_programs_match():
     params, batch = tiny_params(), batches(1)[0]
-    pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 1)
+    pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 1, split=())
     step = make_pipeline_step(pipe, get_schedule("zbh1", 1, 2), None, lambda norm: make_adamw(), compile=True)
+    pipe = step.pipe  # with this rank's programs
     out = executor.run_schedule(pipe, step.schedule, 0, {0: stage_params(params, pipe, 0)},
                                 executor.split_microbatches(batch, 2))
     assert pipe.stages[0].F.fn is not None

@@ -103,6 +103,15 @@ def local_shape(global_shape, device_mesh, placements) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def local_shape_and_offset(global_shape, device_mesh, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's shard shape of a tensor of ``global_shape`` under ``placements``, and where
+    the shard starts in the global tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_shape, device_mesh, placements)
+    return tuple(shape), tuple(offset)
+
+
 def resolve_group(name: str):
     """The process group registered under ``name`` (as functional collectives name groups)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
