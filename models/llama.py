@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from shardfn.core import layers as L
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked
+from shardfn.core.layers import RopeScaling
 from shardfn.core.pytree import PyTree, tree_map
 from shardfn.models import check, config_from_dict, hf_names
 from shardfn.models.hf_names import HFTensor
@@ -48,6 +49,11 @@ class Config:
         name        vocab_size  dim   n_layers  n_heads  n_kv_heads  ffn_dim  rope_theta
         llama_tiny  256         64    2         4        2           256      10000
         llama3_8b   128256      4096  32        32       8           14336    500000
+        llama3_1_8b (llama3_8b's sizes, rope_scaling: llama3, factor 8 over 8192 positions)
+
+    ``rope_scaling``: None (plain RoPE) or a ``llama3`` / ``yarn`` scaling, given as a mapping
+    (``{type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4,
+    original_max_position_embeddings: 8192}``) and held as a frozen ``core.layers.RopeScaling``.
     """
 
     vocab_size: int = 256
@@ -57,6 +63,7 @@ class Config:
     n_kv_heads: int = 2
     ffn_dim: int = 256
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # llama3 | yarn (core.layers.RopeScaling); None: plain RoPE
     norm_eps: float = 1e-5
     tie_embeddings: bool = False  # logits = h @ embed.T, no separate ``out``
     init_std: float = 0.02
@@ -66,6 +73,7 @@ class Config:
         return self.dim // self.n_heads
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling, where="model.rope_scaling"))
         for key in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             check(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         check(self.dim % self.n_heads == 0, "n_heads", f"= {self.n_heads} must divide model.dim = {self.dim}")
@@ -177,6 +185,8 @@ def with_layers(cfg: Config, counts: dict) -> Config:
 
 HF_MODEL_TYPES = ("llama",)
 """Hugging Face ``model_type`` values this model loads (``LlamaForCausalLM``)."""
+HF_ARCHITECTURE = "LlamaForCausalLM"
+"""The ``architectures`` entry of the ``config.json`` that ``models.hf.save`` writes."""
 
 
 def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTensor]:
@@ -258,7 +268,8 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
         logits = apply(init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())  # [2, 16, 256]
     """
     h = L.embedding(params["embed"], tokens)                                   # [B, S, D]
-    cos, sin = L.rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, device=h.device, dtype=h.dtype)
+    cos, sin = L.rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling,
+                             device=h.device, dtype=h.dtype)
     for i in range(cfg.n_layers):
         with torch.profiler.record_function(f"shardfn.layer.{i}"):
             h = block(tree_map(lambda w: w[i], params["layers"]), h, cos, sin, cfg)

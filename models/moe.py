@@ -32,7 +32,12 @@ ffn dim, ``Fs = n_shared_experts * Fe``; ``n``/``r``/``v`` the MLA nope/rope/val
 
 ``dense_layers`` is absent when ``first_k_dense = 0`` and ``moe_layers.shared`` when
 ``n_shared_experts = 0``. The wkv_a output dim (latent + shared rope key) has no logical axis.
-RoPE is plain (no YaRN extension). No parallelism here.
+RoPE may be scaled (``rope_scaling``: ``yarn`` as DeepSeek-V3 and Kimi-K2 publish it, or
+``llama3``; see ``core.layers.RopeScaling``). With ``yarn`` the MLA softmax scale is multiplied by
+``yarn_mscale(factor, mscale_all_dim) ** 2`` as in DeepSeek-V3's attention; GQA attention gets the
+scaled tables only, as Hugging Face's Llama-family attention does. The MLA latent norms
+(``attn.q_norm``, ``attn.kv_norm``) use eps 1e-6 whatever ``norm_eps`` says, as DeepSeek-V3's
+code does. No parallelism here.
 """
 
 from __future__ import annotations
@@ -45,12 +50,16 @@ import torch
 from shardfn.core import layers as L
 from shardfn.core import moe
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked, zeros
+from shardfn.core.layers import RopeScaling
 from shardfn.core.pytree import PyTree, tree_map
 from shardfn.models import check, config_from_dict, hf_names
 from shardfn.models.hf_names import HFTensor
 from shardfn.models.llama import cross_entropy
 
 ATTENTIONS = ("mla", "gqa")
+MLA_NORM_EPS = 1e-6
+"""eps of the MLA latent norms (``q_a_layernorm``, ``kv_a_layernorm``): DeepSeek-V3 builds them with
+its RMSNorm's default, not ``rms_norm_eps``."""
 GROUPED_MM_MULTIPLE = 8
 """``dim`` and ``expert_ffn_dim`` must be multiples of this: the grouped GEMM needs 16-byte rows
 in bfloat16 (8 elements), which also covers float32 (4)."""
@@ -99,6 +108,7 @@ class Config:
     capacity_factor: float = 0.0  # expert parallelism: at most this x the even share per expert (0: dropless)
     # the rest
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # yarn | llama3 (core.layers.RopeScaling); None: plain RoPE
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
@@ -118,6 +128,7 @@ class Config:
         return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling, where="model.rope_scaling"))
         positive = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim", "n_experts", "top_k", "expert_ffn_dim",
                     "n_groups", "topk_groups")
         for key in positive:
@@ -382,6 +393,8 @@ def aux_metrics(aux: dict) -> dict[str, torch.Tensor]:
 
 HF_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 """Hugging Face ``model_type`` values this model loads (``DeepseekV3ForCausalLM``)."""
+HF_ARCHITECTURE = "DeepseekV3ForCausalLM"
+"""The ``architectures`` entry of the ``config.json`` that ``models.hf.save`` writes."""
 
 
 def _hf_mla(stack: str, layers: tuple[int, ...], cfg: Config, rope_interleave: bool) -> list[HFTensor]:
@@ -451,8 +464,10 @@ def hf_config_keys(cfg: Config) -> dict[str, str]:
 def _attention(p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
     if cfg.attention == "gqa":
         return L.gqa_attention(p, x, cos, sin, head_dim=cfg.head_dim)
+    scale = L.rope_softmax_factor(cfg.rope_scaling) / (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** 0.5
     return L.mla_attention(p, x, cos, sin, qk_nope_head_dim=cfg.qk_nope_head_dim,
-                           qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, norm_eps=cfg.norm_eps)
+                           qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, norm_eps=MLA_NORM_EPS,
+                           scale=scale)
 
 
 def dense_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config) -> torch.Tensor:
@@ -477,7 +492,8 @@ def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts
         logits, aux = apply_with_aux(params, tokens, cfg)
     """
     h = L.embedding(params["embed"], tokens)                                      # [B, S, D]
-    cos, sin = L.rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, device=h.device, dtype=h.dtype)
+    cos, sin = L.rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, scaling=cfg.rope_scaling,
+                             device=h.device, dtype=h.dtype)
     for i in range(cfg.first_k_dense):
         with torch.profiler.record_function(f"shardfn.layer.{i}"):
             h = dense_block(tree_map(lambda w: w[i], params["dense_layers"]), h, cos, sin, cfg)

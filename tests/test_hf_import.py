@@ -105,11 +105,53 @@ def _rotate_half(x):
     return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
-def _rope(S, d, theta):
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2).float() / d))
-    freqs = torch.arange(S).float()[:, None] * inv[None]
+def _mscale(factor, m):
+    """YaRN's magnitude factor, as DeepSeek-V3 defines it."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def reference_inv_freq(d, theta, scaling=None):
+    """The RoPE inverse frequencies from the published formulas, in Python floats: Llama 3.1's
+    wavelength bands (HF modeling_rope_utils, llama3) and YaRN's ramp (DeepSeek-V3, yarn)."""
+    base = [theta ** (-2 * i / d) for i in range(d // 2)]
+    if scaling is None:
+        return base
+    f, orig = scaling["factor"], scaling["original_max_position_embeddings"]
+    if scaling["type"] == "llama3":
+        lo, hi, out = scaling["low_freq_factor"], scaling["high_freq_factor"], []
+        for w in base:
+            wavelen = 2 * math.pi / w
+            if wavelen < orig / hi:
+                out.append(w)
+            elif wavelen > orig / lo:
+                out.append(w / f)
+            else:
+                t = (orig / wavelen - lo) / (hi - lo)
+                out.append((1 - t) * w / f + t * w)
+        return out
+
+    def correction_dim(rotations):  # the dim whose wave turns `rotations` times over `orig` positions
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(scaling["beta_slow"])), d - 1)
+    if low == high:
+        high += 0.001
+    out = []
+    for i, w in enumerate(base):
+        extrapolate = 1 - min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(w / f * (1 - extrapolate) + w * extrapolate)
+    return out
+
+
+def _rope(S, d, theta, scaling=None):
+    inv = torch.tensor(reference_inv_freq(d, theta, scaling), dtype=torch.float64)
+    freqs = torch.arange(S, dtype=torch.float64)[:, None] * inv[None]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    m = 1.0
+    if scaling is not None and scaling["type"] == "yarn":
+        m = _mscale(scaling["factor"], scaling["mscale"]) / _mscale(scaling["factor"], scaling["mscale_all_dim"])
+    return (emb.cos() * m).float(), (emb.sin() * m).float()
 
 
 def _softmax_attention(q, k, v, scale):
@@ -123,11 +165,12 @@ def _swiglu(x, sd, p):
                     sd[p + "down_proj.weight"])
 
 
-def hf_llama_logits(sd, tokens, cfg):
-    """HF LlamaForCausalLM's math, written from its conventions: [out, in] weights, rotate_half, repeat_kv."""
+def hf_llama_logits(sd, tokens, cfg, rope_scaling=None):
+    """HF LlamaForCausalLM's math, written from its conventions: [out, in] weights, rotate_half, repeat_kv;
+    ``rope_scaling`` a dict as config.json gives it (``type`` llama3 or yarn)."""
     B, S = tokens.shape
     H, Hkv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.dim // cfg.n_heads
-    cos, sin = _rope(S, hd, cfg.rope_theta)
+    cos, sin = _rope(S, hd, cfg.rope_theta, rope_scaling)
     h = sd["model.embed_tokens.weight"][tokens]
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
@@ -147,27 +190,32 @@ def _interleaved_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-def hf_deepseek_logits(sd, tokens, cfg):
-    """HF DeepseekV3ForCausalLM's math (no YaRN): MLA with interleaved rope, sigmoid router + bias."""
+def hf_deepseek_logits(sd, tokens, cfg, rope_scaling=None, latent_eps=1e-6):
+    """HF DeepseekV3ForCausalLM's math: MLA with interleaved rope, sigmoid router + bias. ``rope_scaling``:
+    None or config.json's yarn dict (scaled tables, softmax scale times mscale(factor, mscale_all_dim)^2);
+    the latent norms (q_a_layernorm, kv_a_layernorm) use ``latent_eps``, DeepSeek's RMSNorm default."""
     B, S = tokens.shape
     H, n, r, vd = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    cos, sin = _rope(S, r, cfg.rope_theta)
+    cos, sin = _rope(S, r, cfg.rope_theta, rope_scaling)
+    softmax_scale = (n + r) ** -0.5
+    if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+        softmax_scale *= _mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
     h = sd["model.embed_tokens.weight"][tokens]
     for i in range(cfg.n_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         x = _norm(h, sd[f"model.layers.{i}.input_layernorm.weight"], cfg.norm_eps)
         if cfg.q_lora_rank:
-            q = F.linear(_norm(F.linear(x, sd[a + "q_a_proj.weight"]), sd[a + "q_a_layernorm.weight"], cfg.norm_eps),
+            q = F.linear(_norm(F.linear(x, sd[a + "q_a_proj.weight"]), sd[a + "q_a_layernorm.weight"], latent_eps),
                          sd[a + "q_b_proj.weight"])
         else:
             q = F.linear(x, sd[a + "q_proj.weight"])
         q_pass, q_rot = q.view(B, S, H, n + r).transpose(1, 2).split([n, r], dim=-1)
         k_pass, k_rot = F.linear(x, sd[a + "kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, r], dim=-1)
-        kv = F.linear(_norm(k_pass, sd[a + "kv_a_layernorm.weight"], cfg.norm_eps), sd[a + "kv_b_proj.weight"])
+        kv = F.linear(_norm(k_pass, sd[a + "kv_a_layernorm.weight"], latent_eps), sd[a + "kv_b_proj.weight"])
         k_pass, value = kv.view(B, S, H, n + vd).transpose(1, 2).split([n, vd], dim=-1)
         q_rot, k_rot = _interleaved_rope(q_rot, cos, sin), _interleaved_rope(k_rot.view(B, 1, S, r), cos, sin)
         q, k = torch.cat([q_pass, q_rot], -1), torch.cat([k_pass, k_rot.expand(B, H, S, r)], -1)
-        o = _softmax_attention(q, k, value, (n + r) ** -0.5).transpose(1, 2).reshape(B, S, H * vd)
+        o = _softmax_attention(q, k, value, softmax_scale).transpose(1, 2).reshape(B, S, H * vd)
         h = h + F.linear(o, sd[a + "o_proj.weight"])
         x = _norm(h, sd[f"model.layers.{i}.post_attention_layernorm.weight"], cfg.norm_eps)
         if i < cfg.first_k_dense:
@@ -309,3 +357,137 @@ def test_regions_build_only_their_boxes_and_read_only_their_layers_and_experts(t
     assert sorted(read) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_b_proj.weight",
                             "model.layers.1.mlp.experts.2.gate_proj.weight",
                             "model.layers.1.mlp.experts.3.gate_proj.weight"]
+
+
+# ----------------------------------------------------------------------------- config.json: RoPE, latent norms, save
+
+LLAMA31 = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 4.0, "beta_slow": 0.25,
+        "mscale": 1.0, "mscale_all_dim": 0.8}
+
+
+def _rope_json(fmt, theta, scaling):
+    """The RoPE keys of a config.json: old style with ``type`` or ``rope_type``, or transformers 5's rope_parameters."""
+    keys = {k: v for k, v in (scaling or {}).items() if k != "type"}
+    if fmt == "rope_parameters":
+        kind = scaling["type"] if scaling else "default"
+        return {"rope_parameters": {"rope_theta": theta, "rope_type": kind, **keys}}
+    return {"rope_theta": theta, **({"rope_scaling": {fmt: scaling["type"], **keys}} if scaling else {})}
+
+
+@pytest.mark.parametrize("fmt", ["type", "rope_type", "rope_parameters"])
+def test_yarn_config_json_in_either_format_loads_and_matches_a_reference(tmp_path, fmt):
+    cfg = _cfg("moe", rope_scaling=YARN, qk_rope_head_dim=8, rope_theta=100.0)
+    sd = deepseek_hf_tensors(cfg)
+    d = _write(tmp_path / fmt, sd)
+    (d / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "num_hidden_layers": 3,
+                                               **_rope_json(fmt, 100.0, YARN)}))
+    params = hf.load(d, "moe", cfg)
+    tokens = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(models.get("moe").apply(params, tokens, cfg),
+                               hf_deepseek_logits(sd, tokens, cfg, rope_scaling=YARN), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["type", "rope_type", "rope_parameters"])
+def test_llama31_config_json_in_either_format_passes_the_check(fmt):
+    cfg = _cfg("llama", rope_theta=500000.0, rope_scaling=LLAMA31)
+    hf.check_hf_config({"model_type": "llama", "hidden_size": 32, **_rope_json(fmt, 500000, LLAMA31)}, "llama", cfg)
+    plain = _cfg("llama", rope_theta=500000.0)
+    hf.check_hf_config({"model_type": "llama", **_rope_json(fmt, 500000, None)}, "llama", plain)
+
+
+def test_rope_disagreements_are_each_named():
+    cfg = _cfg("llama", rope_theta=500000.0, rope_scaling=LLAMA31)
+    with pytest.raises(ValueError, match=r"disagrees with the model config: hidden_size=64 but model\.dim=32; "
+                                         r"rope_theta=10000\.0 but model\.rope_theta=500000\.0; "
+                                         r"rope_parameters\.factor=32\.0 "
+                                         r"but model\.rope_scaling\.factor=8\.0; override model\.dim=64 "
+                                         r"model\.rope_theta=10000\.0 model\.rope_scaling\.factor=32\.0"):
+        hf.check_hf_config({"hidden_size": 64, **_rope_json("rope_parameters", 10000.0, {**LLAMA31, "factor": 32})},
+                           "llama", cfg)
+    with pytest.raises(ValueError, match=r"no RoPE scaling but model\.rope_scaling=\{'type': 'llama3'.*; "
+                                         r"override model\.rope_scaling=null"):
+        hf.check_hf_config({"rope_theta": 500000.0}, "llama", cfg)
+    with pytest.raises(ValueError, match=r"rope_scaling \{'type': 'llama3', 'factor': 8\.0.* but "
+                                         r"model\.rope_scaling is null; "
+                                         r"override model\.rope_scaling=\{type: llama3, factor: 8\.0, "):
+        hf.check_hf_config(_rope_json("rope_type", 500000.0, LLAMA31), "llama", _cfg("llama", rope_theta=500000.0))
+    moe_cfg = _cfg("moe", rope_scaling=YARN)
+    with pytest.raises(ValueError, match=r"rope_scaling\.beta_fast=32\.0 but model\.rope_scaling\.beta_fast=4\.0; .*"
+                                         r"rope_scaling\.mscale_all_dim=0\.0 but "
+                                         r"model\.rope_scaling\.mscale_all_dim=0\.8"):
+        # yarn keys left out of config.json take Hugging Face's defaults (beta_fast 32, beta_slow 1, mscale 1, 0)
+        hf.check_hf_config({"rope_theta": 10000.0, "max_position_embeddings": 8,
+                            "rope_scaling": {"type": "yarn", "factor": 4.0}}, "moe", moe_cfg)
+    with pytest.raises(ValueError, match=r"rope_scaling \{'type': 'llama3'.* but model\.rope_scaling is yarn"):
+        hf.check_hf_config(_rope_json("type", 10000.0, LLAMA31), "moe", moe_cfg)
+
+
+@pytest.mark.parametrize("fmt", ["rope_scaling", "rope_parameters"])
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "longrope", "su"])
+def test_rope_types_that_are_not_modelled_are_refused_by_name(fmt, kind):
+    scaling = {"rope_type": kind, "factor": 2.0}
+    config = {"rope_theta": 1e4, "rope_scaling": scaling} if fmt == "rope_scaling" else \
+        {"rope_parameters": {"rope_theta": 1e4, **scaling}}
+    with pytest.raises(ValueError, match=rf"{fmt} type '{kind}' is not modelled; the models implement RoPE scaling "
+                                         r"llama3, yarn"):
+        hf.check_hf_config(config, "llama", _cfg("llama"))
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"attention_factor": 1.2}, r"rope_scaling\.attention_factor=1\.2 is not modelled"),
+    ({"truncate": False}, r"rope_scaling\.truncate is false"),
+    ({"partial_rotary_factor": 0.5}, r"rope_scaling\.partial_rotary_factor=0\.5"),
+])
+def test_yarn_keys_that_are_not_modelled_are_refused_by_name(extra, message):
+    with pytest.raises(ValueError, match=message):
+        hf.check_hf_config(_rope_json("type", 10000.0, {**YARN, **extra}), "moe", _cfg("moe", rope_scaling=YARN))
+
+
+def test_mla_latent_norms_use_eps_1e6_whatever_norm_eps():
+    cfg = _cfg("moe", norm_eps=1e-5)
+    sd = deepseek_hf_tensors(cfg)
+    for k in sd:  # small latents, so the eps matters
+        if k.endswith(("q_a_proj.weight", "kv_a_proj_with_mqa.weight")):
+            sd[k] = sd[k] * 1e-3
+    tokens = _tokens()
+    ours = models.get("moe").apply(hf.from_hf(sd, "moe", cfg), tokens, cfg)
+    torch.testing.assert_close(ours, hf_deepseek_logits(sd, tokens, cfg, latent_eps=1e-6), rtol=1e-4, atol=1e-4)
+    assert (ours - hf_deepseek_logits(sd, tokens, cfg, latent_eps=1e-5)).abs().max() > 1e-2
+
+
+SAVED = [("llama", {"rope_theta": 500000.0, "rope_scaling": LLAMA31}, "llama", "LlamaForCausalLM"),
+         ("llama", {"tie_embeddings": True}, "llama", "LlamaForCausalLM"),
+         ("moe", {"rope_scaling": YARN, "qk_rope_head_dim": 8, "q_lora_rank": 0}, "deepseek_v3",
+          "DeepseekV3ForCausalLM"),
+         ("moe", {"attention": "gqa", "n_kv_heads": 1, "first_k_dense": 0}, "deepseek_v3", "DeepseekV3ForCausalLM")]
+
+
+@pytest.mark.parametrize("name,over,model_type,arch", SAVED)
+def test_save_writes_a_config_json_that_loads_back(tmp_path, name, over, model_type, arch):
+    cfg = _cfg(name, **over)
+    params = models.get(name).init(cfg, seed=1, dtype=torch.bfloat16)
+    d = tmp_path / "out"
+    hf.save(d, params, name, cfg)
+    written = json.loads((d / "config.json").read_text())
+    assert written["model_type"] == model_type and written["architectures"] == [arch]
+    assert (written["hidden_size"], written["num_hidden_layers"], written["num_attention_heads"]) == (32, cfg.n_layers,
+                                                                                                      cfg.n_heads)
+    assert written["tie_word_embeddings"] is cfg.tie_embeddings and written["torch_dtype"] == "bfloat16"
+    assert written["rope_theta"] == cfg.rope_theta and written["hidden_act"] == "silu"
+    scaling = over.get("rope_scaling")
+    assert written.get("rope_scaling") == (None if scaling is None else {"rope_type": scaling["type"], **scaling})
+    if scaling is YARN:
+        assert written["max_position_embeddings"] == 32 and written["q_lora_rank"] is None
+    loaded = hf.load(d, name, cfg, dtype=torch.bfloat16)  # the config check passes
+    for (p1, a), (p2, b) in zip(flatten_with_paths(params), flatten_with_paths(loaded)):
+        assert p1 == p2 and torch.equal(a, b), p1
+    changed = [("num_hidden_layers", 5, rf"num_hidden_layers=5 but model\.n_layers={cfg.n_layers}")]
+    if scaling is not None:
+        changed.append(("rope_scaling", {**written["rope_scaling"], "factor": 2.0},
+                        rf"rope_scaling\.factor=2\.0 but model\.rope_scaling\.factor={scaling['factor']}"))
+    for key, value, message in changed:
+        (d / "config.json").write_text(json.dumps({**written, key: value}))
+        with pytest.raises(ValueError, match=message):
+            hf.load(d, name, cfg)

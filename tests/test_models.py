@@ -92,12 +92,12 @@ class MLAttention(nn.Module):
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         if c.q_lora_rank:
             self.wq_a = nn.Linear(c.dim, c.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(c.q_lora_rank, c.norm_eps)
+            self.q_norm = RMSNorm(c.q_lora_rank, 1e-6)  # DeepSeek-V3's latent norms: eps 1e-6 always
             self.wq_b = nn.Linear(c.q_lora_rank, c.n_heads * qk, bias=False)
         else:
             self.wq = nn.Linear(c.dim, c.n_heads * qk, bias=False)
         self.wkv_a = nn.Linear(c.dim, c.kv_lora_rank + c.qk_rope_head_dim, bias=False)
-        self.kv_norm = RMSNorm(c.kv_lora_rank, c.norm_eps)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, 1e-6)
         self.wkv_b = nn.Linear(c.kv_lora_rank, c.n_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.wo = nn.Linear(c.n_heads * c.v_head_dim, c.dim, bias=False)
 
@@ -486,7 +486,8 @@ def test_meta_init_of_a_trillion_parameters_allocates_nothing():
     assert len(tree_leaves(params)) < 40  # stacked: one tree, not 61 copies
 
 
-@pytest.mark.parametrize("name", ["llama_tiny", "moe_tiny", "llama3_8b", "deepseek_v3_671b", "kimi_k2_1t"])
+@pytest.mark.parametrize("name", ["llama_tiny", "moe_tiny", "llama3_8b", "llama3_1_8b", "deepseek_v3_671b",
+                                  "kimi_k2_1t"])
 def test_config_files_build(name):
     module, c = config_file(name)
     assert module.param_counts(c)["total"] > 0
