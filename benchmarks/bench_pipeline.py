@@ -14,8 +14,8 @@ Reports, per schedule and rank count:
 Then, on the same 4 ranks, one run config (llama_tiny, 4 layers) as three layouts built side by
 side in one set of processes -- pp2 x fsdp2, fsdp4 and pp4 -- stepped in turn (A, B, C, A, ...):
 per layout the median step time, its ratio to fsdp4 (the median of the per-round ratios), and
-each rank's peak bytes from the step's own reports (parameters, gradients, optimizer state,
-gathered parameters and held activations).
+each rank's peak bytes: the state it holds (parameters and optimizer state, from the step's
+reports) plus the most resident memory one step adds (measured: the peak RSS counter).
 
     python benchmarks/bench_pipeline.py                       # 2 and 4 ranks, every schedule; the layouts
     python benchmarks/bench_pipeline.py --ranks 2 --schedules 1f1b zbh1 --trace runs/trace --no-layouts
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fixtures import tiny_loss, tiny_params  # noqa: E402  (the tests' model: tests/fixtures.py)
+from fixtures import peak_rss_increase, tiny_loss, tiny_params  # noqa: E402  (tests/fixtures.py)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipev")
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_pipeline.json"
@@ -90,8 +90,8 @@ def _rank(args: dict) -> dict:
 
 
 LAYOUTS = {"pp2xfsdp2": ["mesh.pp=2", "mesh.fsdp=2"], "fsdp4": ["mesh.fsdp=4"], "pp4": ["mesh.pp=4"]}
-LAYOUT_BASE = ["model.n_layers=4", "train.batch_size=16", "train.seq_len=64", "pipeline.schedule=1f1b",
-               "pipeline.microbatches=4", "train.warmup_steps=1"]
+LAYOUT_BASE = ["model.n_layers=4", "model.dim=256", "model.ffn_dim=768", "train.batch_size=16", "train.seq_len=64",
+               "pipeline.schedule=1f1b", "pipeline.microbatches=4", "train.warmup_steps=1"]
 
 
 def _layouts_rank(rounds: int) -> dict:
@@ -114,21 +114,22 @@ def _layouts_rank(rounds: int) -> dict:
     tokens = data.from_config(cfg.data)
     batch = data.get_batch(tokens, 0, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len)
     times: dict = {name: [] for name in LAYOUTS}
-    for r in range(rounds + 1):  # the first round warms up
+    memory: dict = {}
+    for r in range(rounds + 2):  # the first round warms up, the last measures memory
         for name, step in steps.items():
             dist.barrier()
             tic = time.perf_counter()
-            p, s, m = step(*states[name], batch)
+            if r == rounds + 1:  # held state (reports) + the most the step adds (measured)
+                (p, s, m), added = peak_rss_increase(lambda: step(*states[name], batch))
+                report = step.memory_report()
+                memory[name] = report["params"] + report["opt_state"] + added
+            else:
+                p, s, m = step(*states[name], batch)
             float(m["loss"])
             dist.barrier()
-            if r:
+            if 0 < r <= rounds:
                 times[name].append(time.perf_counter() - tic)
             states[name] = (p, s)
-    memory = {}
-    for name, step in steps.items():
-        report = step.memory_report()
-        memory[name] = sum(v for k, v in report.items() if k in ("params", "grads", "opt_state", "gathered",
-                                                                 "activations"))
     return {"times": times, "memory": memory}
 
 

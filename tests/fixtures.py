@@ -1,5 +1,5 @@
 """What the tests and the benchmarks share: a tiny stacked-layer model, a config's training state
-after a few steps, a fake train step to auto-shard, and a median timer.
+after a few steps, a fake train step to auto-shard, a median timer and a measured peak of memory.
 
 The benchmarks import this module too (``benchmarks/`` puts ``tests/`` on ``sys.path``), so a
 benchmark measures the same model a test checks.
@@ -11,6 +11,7 @@ benchmark measures the same model a test checks.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from typing import Callable
@@ -127,3 +128,26 @@ def median_seconds(fn: Callable[[], object], n: int, warmup: int = 2) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def peak_rss_increase(fn: Callable[[], object]) -> tuple[object, int]:
+    """``fn()``'s result and the most bytes of resident memory it added at once (Linux: the peak
+    RSS counter is reset first, then read back). CPU tensors of 128 KiB and more are their own
+    mappings, returned when freed, so for them this is the allocator's peak; smaller ones may
+    reuse heap pages that were already resident (counted as 0).
+
+        out, peak = peak_rss_increase(lambda: step(params, state, batch))
+    """
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    before = _status_bytes("VmRSS")
+    out = fn()
+    return out, _status_bytes("VmHWM") - before

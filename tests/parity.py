@@ -9,6 +9,7 @@ import torch
 import shardfn as sf
 from shardfn import P, models
 from shardfn.config import load_config
+from shardfn.core.pytree import tree_leaves
 from shardfn.core.transforms import value_and_grad
 from shardfn.runtime import data
 from shardfn.runtime.partitioned import expert_region, full, mesh_from_config, mesh_step
@@ -129,7 +130,13 @@ def pipeline_worker(runs):
     for config, overrides in runs:
         cfg, model, params, _, batches = setup(overrides, config)
         step = build_pipeline_step(cfg, model, params)
-        local = step.scatter(params)
+        asked = []  # elements this rank's blocks asked the initialiser for
+
+        def source(regions, cfg=cfg, model=model):
+            asked.append(sum(_numel(box) for box in regions.values()))
+            return model.init(cfg.model, cfg.train.seed, regions=regions)
+
+        local = step.layout.from_source(source)
         state = step.optimizer.init(local)
         losses, norms, grads = [], [], None
         for b in batches:
@@ -139,8 +146,17 @@ def pipeline_worker(runs):
             norms.append(metrics["grad_norm"])
         out.append({"losses": torch.stack(losses), "norms": torch.stack(norms), "grads": grads,
                     "params": step.gather(local), "comm": step.comm_report(), "memory": step.memory_report(),
-                    "pp_rank": step.pp_rank, "stages": step.stages})
+                    "pp_rank": step.pp_rank, "stages": step.stages, "built": sum(asked),
+                    "held": sum(t.numel() for t in tree_leaves(local)), "total": sum(t.numel() for t in
+                                                                                    tree_leaves(params))})
     return out
+
+
+def _numel(box) -> int:
+    n = 1
+    for sl in box:
+        n *= sl.stop - sl.start
+    return n
 
 
 def run_pipelines(runs, nproc):

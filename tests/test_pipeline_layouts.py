@@ -47,6 +47,14 @@ def test_llama_tiny_layouts_match_one_device(llama_runs, index):
     _check(llama_runs[index], *LLAMA_RUNS[index])
 
 
+def test_each_rank_builds_only_the_blocks_it_holds(llama_runs):
+    for run in llama_runs:
+        for rank in run:  # a box per held leaf (tied leaves once per holding stage), nothing else
+            assert rank["built"] == rank["held"] < rank["total"] // 2, rank["pp_rank"]
+    for rank in llama_runs[0]:  # pp2 x fsdp2: about a quarter of the model per rank
+        assert rank["held"] < 0.3 * rank["total"]
+
+
 def _rows(rank, op, axis):
     return next((r for r in rank["comm"] if r["op"] == op and r["axis"] == axis), {"bytes": 0, "count": 0})
 
