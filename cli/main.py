@@ -9,13 +9,16 @@ Each subcommand is one module of ``shardfn.cli`` (``train``, ``params``, ``inspe
 names them as ``"module:function"`` strings, so only the subcommand being run is imported and
 ``shardfn params`` never loads the partitioner.
 
-Exit codes: 0 success, 1 a failure while running, 2 a usage or config error (message on stderr).
+Exit codes: 0 success, 1 a failure while running, 2 a usage or config error (message on stderr),
+130 interrupted (Ctrl-C). A failure prints one line; ``shardfn --debug SUBCOMMAND ...`` (or
+``SHARDFN_DEBUG=1``) prints its traceback as well.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Callable, NamedTuple, Sequence, Union
 
@@ -60,12 +63,24 @@ def _resolve(fn):
     return getattr(importlib.import_module(module), attr)
 
 
+DEBUG_ENV = "SHARDFN_DEBUG"
+"""Set to 1 for what ``--debug`` does: a failure's traceback, not just its message."""
+
+DEBUG_HELP = f"on a failure, print its traceback (the ranks' too) as well as its message; or set {DEBUG_ENV}=1"
+
+
+def debug_requested() -> bool:
+    """True when ``SHARDFN_DEBUG`` is set to anything but empty or 0."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
 def _top_help() -> str:
     width = max(len(n) for n in SUBCOMMANDS)
-    lines = [f"usage: shardfn {{{','.join(SUBCOMMANDS)}}} [options]", "",
+    lines = [f"usage: shardfn [--debug] {{{','.join(SUBCOMMANDS)}}} [options]", "",
              "shardfn: JAX-style functional PyTorch.", "", "subcommands:"]
     lines += [f"  {name:<{width}}  {sub.help}" for name, sub in SUBCOMMANDS.items()]
-    lines += ["", "Run `shardfn SUBCOMMAND --help` for its options."]
+    lines += ["", "options:", f"  --debug  {DEBUG_HELP}",
+              "", "Run `shardfn SUBCOMMAND --help` for its options."]
     return "\n".join(lines)
 
 
@@ -76,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         main(["params", "--config", "llama_tiny", "--json"])  # prints {"total": ..., "active": ...}
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = ["shardfn", *argv]
+    debug = debug_requested()
+    while argv and argv[0] == "--debug":
+        debug = True
+        argv.pop(0)
     if not argv or argv[0] in ("-h", "--help"):
         print(_top_help(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
@@ -90,12 +110,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = SUBCOMMANDS[name]
     parser = argparse.ArgumentParser(prog=f"shardfn {name}", description=sub.help)
     _resolve(sub.add_arguments)(parser)
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     args = parser.parse_intermixed_args(argv[1:])  # argparse exits 2 itself on bad options
+    args.debug = debug or args.debug
+    args.command = command  # as typed, for messages that say how to run it again
     try:
         return int(_resolve(sub.run)(args) or 0)
     except UsageError as e:
         print(f"shardfn {name}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print(f"shardfn {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a failure, not a mistake: its message, and how to see where it came from
+        if args.debug:
+            raise
+        print(f"shardfn {name}: {type(e).__name__}: {e}\n(for the traceback: shardfn --debug {name} ..., or "
+              f"{DEBUG_ENV}=1)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

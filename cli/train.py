@@ -2,21 +2,32 @@
 
     shardfn train                                         # llama_tiny on the embedded corpus
     shardfn train --nproc 4 mesh.dp=2 mesh.tp=2 --metrics m.jsonl
+
+What the config asks for is checked here, once, before any rank is spawned: the layout, the data
+file, the ``train.init_from`` directory, and the checkpoint a run would resume (its model must
+be this run's). A mistake found later -- a NaN loss, say -- is one message naming the rank
+(exit code 2); a failure is one message naming the rank (exit code 1), with the ranks'
+tracebacks under ``shardfn --debug``; Ctrl-C stops every rank and says how to resume (exit code
+130).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from shardfn.cli.common import UsageError, add_config_arguments, config_from_args
+
+INTERRUPTED = 130
+"""The exit code after Ctrl-C (128 + SIGINT), as shells report it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument("--metrics", metavar="FILE", default=None,
-                        help="write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s)")
+                        help="write one JSON object per step (step, loss, grad_norm, lr, tokens_per_s, time_s)")
     parser.add_argument("--trace", metavar="DIR", default=None,
                         help="mesh.pp > 1: write the last step's real action timings as a Chrome trace")
     parser.add_argument("--resume", action="store_true",
@@ -24,8 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "there is none (without it, train.checkpoint.resume decides: by default a run "
                              "with train.checkpoint.every > 0 resumes when the directory holds one)")
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
-                        help="spawn N local gloo ranks (default: runtime.nproc, else 1); under torchrun "
-                             "the launcher's ranks are used")
+                        help="spawn N local gloo ranks (default: runtime.nproc, else the mesh size, the product "
+                             "of the mesh axes); under torchrun the launcher's ranks are used")
 
 
 def _train_rank(cfg_dict: dict, metrics: str | None, trace: str | None = None) -> None:
@@ -35,25 +46,51 @@ def _train_rank(cfg_dict: dict, metrics: str | None, trace: str | None = None) -
     train(config_from_dict(cfg_dict), metrics_path=metrics, log=lambda line: print(line, flush=True), trace_dir=trace)
 
 
+def check_before_launch(cfg) -> None:
+    """Raise :class:`UsageError` for what would fail in every rank: a layout that cannot run, a
+    missing or too short data file, a ``train.init_from`` that is not a Hugging Face directory,
+    ``--resume`` with nothing to resume, or a checkpoint to resume that holds another model.
+
+    ``cfg.train.checkpoint.dir`` must be set (``checkpoint.with_run_directory``).
+
+    Example:
+        check_before_launch(with_run_directory(load_config(None, ["data.path=missing.txt"])))  # UsageError
+    """
+    from shardfn import models
+    from shardfn.partition.errors import LayoutError
+    from shardfn.partition.layouts import check_run
+    from shardfn.runtime import checkpoint, data
+
+    try:  # a layout that cannot run
+        check_run(models.get(cfg.model_name), cfg)
+    except LayoutError as e:
+        raise UsageError(str(e)) from None
+    try:
+        tokens = data.from_config(cfg.data)
+        data.get_batch(tokens, 0, batch_size=1, seq_len=cfg.train.seq_len)  # the data holds one row
+        if cfg.train.init_from:
+            from shardfn.models import hf
+
+            hf_config = hf.read_dir(cfg.train.init_from).config()  # shard headers only, no tensor is read
+            if hf_config is not None:
+                hf.check_hf_config(hf_config, cfg.model_name, cfg.model,
+                                   source=os.path.join(cfg.train.init_from, "config.json"))
+        found = checkpoint.resume_path(cfg.train.checkpoint)  # --resume with nothing to resume
+        if found is not None:
+            checkpoint.check_resume(found, cfg.to_dict())  # a checkpoint of another model
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+
+
 def run(args: argparse.Namespace) -> int:
-    from shardfn.runtime.checkpoint import resume_path
+    from shardfn.runtime.checkpoint import with_run_directory
+    from shardfn.runtime.errors import RunError
     from shardfn.runtime.train import train
 
     if args.resume:
         args.overrides = [*args.overrides, "train.checkpoint.resume=true"]
-    cfg = config_from_args(args)
-    try:
-        resume_path(cfg.train.checkpoint)  # --resume with nothing to resume: a usage error, before any launch
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    from shardfn import models
-    from shardfn.partition.errors import LayoutError
-    from shardfn.partition.layouts import check_run
-
-    try:  # a layout that cannot run is refused here, once, before any rank is spawned
-        check_run(models.get(cfg.model_name), cfg)
-    except LayoutError as e:
-        raise UsageError(str(e)) from None
+    cfg = with_run_directory(config_from_args(args))  # train.checkpoint.dir null: this run's own
+    check_before_launch(cfg)
     if args.trace and cfg.mesh.pp == 1:
         raise UsageError(f"--trace {args.trace} records pipeline schedules: set mesh.pp > 1, or drop --trace")
     world = cfg.mesh.world_size
@@ -61,15 +98,64 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}; it is the number of local ranks to spawn")
     nproc = args.nproc or cfg.runtime.nproc or world
     if nproc != world:
-        raise UsageError(f"--nproc {nproc} but the mesh has {world} devices; make them equal")
-    if "RANK" in os.environ or nproc == 1:  # under torchrun, or one device
-        train(cfg, metrics_path=args.metrics, log=lambda line: print(line, flush=True), trace_dir=args.trace)
-        return 0
-    from shardfn.runtime.launch import RankFailed, spawn
-
+        raise UsageError(f"--nproc {nproc} but the mesh has {_devices(world)}; make them equal")
+    debug = getattr(args, "debug", False)
     try:
-        spawn(_train_rank, nproc, args=(cfg.to_dict(), args.metrics, args.trace), timeout_s=cfg.runtime.timeout_s)
-    except RankFailed as e:
-        print(f"shardfn train: {e}", file=sys.stderr)
-        return 1
+        if "RANK" in os.environ or nproc == 1:  # under torchrun, or one device
+            try:
+                train(cfg, metrics_path=args.metrics, log=lambda line: print(line, flush=True), trace_dir=args.trace)
+            except RunError as e:
+                if debug:
+                    raise
+                raise UsageError(str(e)) from None
+            return 0
+        from shardfn.runtime.launch import RankFailed, spawn
+
+        try:
+            spawn(_train_rank, nproc, args=(cfg.to_dict(), args.metrics, args.trace),
+                  timeout_s=cfg.runtime.timeout_s)
+        except RankFailed as e:
+            if e.mistake is not None and not debug:
+                raise UsageError(f"rank {e.rank}: {e.mistake}") from None
+            if debug:
+                print(f"shardfn train: {e}", file=sys.stderr)
+            else:
+                print(f"shardfn train: {e.summary}\n(for the ranks' tracebacks: shardfn --debug train ..., or "
+                      f"SHARDFN_DEBUG=1)", file=sys.stderr)
+            return 2 if e.mistake is not None else 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(interrupted_message(cfg, getattr(args, "command", None)), file=sys.stderr)
+        return INTERRUPTED
     return 0
+
+
+def _devices(n: int) -> str:
+    return f"{n} device{'s' if n != 1 else ''}"
+
+
+def interrupted_message(cfg, command: list[str] | None) -> str:
+    """The line printed after Ctrl-C: the last complete checkpoint, and the command that resumes it.
+
+    Example:
+        interrupted_message(cfg, ["shardfn", "train", "train.checkpoint.every=50"])
+        # 'shardfn train: interrupted; the last complete checkpoint is runs/llama_tiny-d54c2a53/step_00000050
+        #  (step 50); resume with: shardfn train train.checkpoint.every=50 --resume'
+    """
+    from shardfn.runtime.checkpoint import latest_checkpoint, read_meta
+
+    ckpt = cfg.train.checkpoint
+    if not ckpt.every:
+        return ("shardfn train: interrupted; checkpointing is off (train.checkpoint.every=0), so there is "
+                "nothing to resume: set train.checkpoint.every=N to save every N steps")
+    again = list(command or ["shardfn", "train"])
+    last = latest_checkpoint(ckpt.dir)
+    if last is None:
+        return (f"shardfn train: interrupted before the first checkpoint (every {ckpt.every} steps, in "
+                f"{ckpt.dir}); start it again with: {shlex.join(again)}")
+    if "--resume" not in again:
+        again.append("--resume")
+    step = read_meta(last).get("step", "?")
+    return (f"shardfn train: interrupted; the last complete checkpoint is {last} (step {step}); resume with: "
+            f"{shlex.join(again)}")

@@ -37,7 +37,8 @@ def format_plan(plan: Plan) -> str:
         f"{format_bytes(r['activation_bytes_per_microbatch_checkpointed'])} "
         f"checkpointed",
         f"  transient         {format_bytes(r['transient_bytes']):>14}   one layer's working set",
-        f"  peak              {format_bytes(r['peak_bytes']):>14}   of {format_bytes(plan.capacity_bytes)}: "
+        f"  peak              {format_bytes(r['peak_bytes']):>14}   of {format_bytes(plan.capacity_bytes)}"
+        f"{' (partition.memory_budget)' if plan.budgeted else f' ({plan.hardware} memory)'}: "
         f"{'fits' if plan.fits else 'DOES NOT FIT'}",
         "",
         f"collectives per step (pp rank {r['pp_rank']})",

@@ -9,7 +9,9 @@ names the rank that caused it:
 Faults, and how long they take to stop a run (``timeout_s`` is ``runtime.timeout_s`` for
 ``shardfn train``):
 
-- A rank raises: its error (with its traceback) is the message.
+- A rank raises: its error (with its traceback) is the message; ``RankFailed.summary`` is the
+  message without tracebacks, and ``RankFailed.mistake`` says when the error is a ``RunError``
+  (a mistake in the config or data, ``runtime.errors``).
 - A rank dies (a signal, ``os._exit``, the OOM killer): the launcher sees its exit within a
   fraction of a second; the ranks talking to it fail on the closed connection.
 - A rank hangs: the ranks waiting for it in a collective fail after ``timeout_s`` (the process
@@ -17,6 +19,9 @@ Faults, and how long they take to stop a run (``timeout_s`` is ``runtime.timeout
 - Nothing moves: when no rank has reported progress (:func:`progress`, called once per training
   step; the start counts as progress) for ``timeout_s`` plus :data:`GRACE_S`, every rank is stopped
   and the message gives the last step each reached. Without progress calls this bounds the run.
+
+Ctrl-C (SIGINT) reaches the launcher only: the ranks are started with SIGINT ignored, and the
+launcher's ``KeyboardInterrupt`` stops and reaps every rank before it propagates.
 
 Children run in their own process group (their own subprocesses, such as compile workers, are
 stopped with them) and die with the launcher (``PR_SET_PDEATHSIG`` on Linux), so nothing is left
@@ -33,6 +38,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -55,7 +61,20 @@ _progress = None  # (rank, shared steps array, shared times array) inside a spaw
 
 
 class RankFailed(RuntimeError):
-    """A rank raised, died or timed out; the message names the rank."""
+    """A rank raised, died or timed out; the message names the rank.
+
+    ``str(e)`` has the ranks' tracebacks; ``summary`` is the same without them; ``rank`` is the
+    rank named (None when several stalled); ``mistake`` is the message of the
+    :class:`~shardfn.runtime.errors.RunError` that rank raised (a mistake in the config or data,
+    not a failure), else None.
+    """
+
+    def __init__(self, message: str, *, summary: str | None = None, rank: int | None = None,
+                 mistake: str | None = None):
+        super().__init__(message)
+        self.summary = summary if summary is not None else message
+        self.rank = rank
+        self.mistake = mistake
 
 
 def free_port() -> int:
@@ -136,7 +155,10 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
         torch.save(out, buf)  # plain bytes: no shared-memory handles that die with this process
         results.put((rank, "ok", buf.getvalue()))
     except BaseException as e:  # report every failure to the parent, then exit non-zero
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        from shardfn.runtime.errors import RunError
+
+        report = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        results.put((rank, "mistake", (report, str(e))) if isinstance(e, RunError) else (rank, "error", report))
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
@@ -168,35 +190,59 @@ def spawn(fn: Callable, nproc: int, args: tuple = (), timeout_s: float = 300.0) 
         ctx.Process(target=_child, args=(r, nproc, port, fn, args, results, timeout_s, steps, times), daemon=True)
         for r in range(nproc)
     ]
-    for p in procs:
-        p.start()
+    with _sigint_ignored():  # the ranks ignore Ctrl-C (inherited); the launcher stops them (SIGTERM)
+        for p in procs:
+            p.start()
     out: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    mistakes: dict[int, str] = {}
     start = time.monotonic()
     try:
         while len(out) < nproc:
-            _collect(results, out, errors, timeout=0.2)
+            _collect(results, out, errors, timeout=0.2, mistakes=mistakes)
             exits = {r: p.exitcode for r, p in enumerate(procs)}
             failed = errors or any(code not in (None, 0) and r not in out for r, code in exits.items())
             if failed:
-                _settle(results, procs, out, errors)
-                raise RankFailed(blame(nproc, out, errors, {r: p.exitcode for r, p in enumerate(procs)}, timeout_s))
+                _settle(results, procs, out, errors, mistakes)
+                raise _failure(nproc, out, errors, mistakes, {r: p.exitcode for r, p in enumerate(procs)}, timeout_s)
             last = max([start, *times])
             if time.monotonic() - last > timeout_s + GRACE_S:
                 raise RankFailed(_stalled(nproc, out, list(steps), time.monotonic() - last, timeout_s))
         for p in procs:
             p.join(timeout=timeout_s)
+    except KeyboardInterrupt:  # Ctrl-C: every rank stopped before it propagates; a second one waits
+        with _sigint_ignored():
+            _stop(procs)
+        raise
     finally:
         _stop(procs)
     return [out[r] for r in range(nproc)]
 
 
-def _collect(results, out: dict, errors: dict, timeout: float) -> None:
-    """Move every report waiting in ``results`` into ``out`` (results) or ``errors``."""
+class _sigint_ignored:
+    """Ignore SIGINT inside the block (main thread only; elsewhere a no-op): children started in
+    it inherit the disposition, and Python keeps an ignored SIGINT ignored."""
+
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        self.previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _collect(results, out: dict, errors: dict, timeout: float, mistakes: dict | None = None) -> None:
+    """Move every report waiting in ``results`` into ``out`` (results) or ``errors`` (and
+    ``mistakes``, the messages of the ranks that raised a ``RunError``)."""
     try:
         rank, status, value = results.get(timeout=timeout)
         while True:
-            if status == "error":
+            if status == "mistake":
+                errors[rank], message = value
+                if mistakes is not None:
+                    mistakes[rank] = message
+            elif status == "error":
                 errors[rank] = value
             else:
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
@@ -205,13 +251,13 @@ def _collect(results, out: dict, errors: dict, timeout: float) -> None:
         return
 
 
-def _settle(results, procs, out: dict, errors: dict) -> None:
+def _settle(results, procs, out: dict, errors: dict, mistakes: dict | None = None) -> None:
     """Gather reports for up to :data:`SETTLE_S`, until every rank has reported or exited."""
     until = time.monotonic() + SETTLE_S
     while time.monotonic() < until:
-        _collect(results, out, errors, timeout=0.1)
+        _collect(results, out, errors, timeout=0.1, mistakes=mistakes)
         if all(r in out or r in errors or p.exitcode is not None for r, p in enumerate(procs)):
-            _collect(results, out, errors, timeout=0.1)  # a report may trail its sender's exit
+            _collect(results, out, errors, timeout=0.1, mistakes=mistakes)  # a report may trail its sender's exit
             return
 
 
@@ -261,34 +307,63 @@ def _first_line(report: str) -> str:
     return report.split("\n", 1)[0][:300]
 
 
-def blame(nproc: int, out: dict, errors: dict[int, str], exits: dict[int, int | None], timeout_s: float) -> str:
+def _head(report: str) -> str:
+    """A rank's error report without its traceback: ``Type: message``."""
+    return report.split("\nTraceback (most recent call last):", 1)[0].rstrip()
+
+
+def cause(nproc: int, out: dict, errors: dict[int, str], exits: dict[int, int | None]) -> tuple[str, int]:
+    """``(how, rank)``: the rank that caused a failure, and how: ``"died"``, ``"raised"``,
+    ``"hung"`` or ``"collective"`` (see :func:`blame`).
+
+    Example:
+        cause(2, {}, {0: "RuntimeError: ... Connection closed by peer"}, {0: 1, 1: -9})  # ('died', 1)
+    """
+    dead = [r for r in range(nproc) if r not in out and r not in errors and exits.get(r) not in (None, 0)]
+    if dead:
+        return "died", dead[0]
+    own = [r for r, text in sorted(errors.items()) if not is_comm_error(text)]
+    if own:
+        return "raised", own[0]
+    silent = [r for r in range(nproc) if r not in out and r not in errors]
+    if silent:
+        return "hung", silent[0]
+    return "collective", min(errors)
+
+
+def blame(nproc: int, out: dict, errors: dict[int, str], exits: dict[int, int | None], timeout_s: float, *,
+          brief: bool = False) -> str:
     """The :class:`RankFailed` message: which rank caused the failure, and what the others saw.
 
     In order: a rank that died without reporting; a rank whose error is not a failed collective;
     a rank that neither finished nor failed while the others' collectives failed (it hung); the
-    first failed collective.
+    first failed collective. ``brief``: the ranks' errors without their tracebacks.
 
     Example:
         blame(2, {}, {0: "RuntimeError: ... Connection closed by peer"}, {0: 1, 1: -9}, 30)
         # 'rank 1 died: it was killed by SIGKILL; then rank 0 failed: RuntimeError: ... Connection closed by peer'
     """
-    others = lambda cause: "".join(  # noqa: E731
-        f"; then rank {r} failed: {_first_line(text)}" for r, text in sorted(errors.items()) if r != cause)
-    dead = [r for r in range(nproc) if r not in out and r not in errors and exits.get(r) not in (None, 0)]
-    if dead:
-        r = dead[0]
+    show = _head if brief else (lambda report: report)
+    others = lambda blamed: "".join(  # noqa: E731
+        f"; then rank {o} failed: {_first_line(report)}" for o, report in sorted(errors.items()) if o != blamed)
+    how, r = cause(nproc, out, errors, exits)
+    if how == "died":
         return f"rank {r} died: it {_exit_text(exits[r])}{others(r)}"
-    own = [r for r, text in sorted(errors.items()) if not is_comm_error(text)]
-    if own:
-        return f"rank {own[0]} failed: {errors[own[0]]}{others(own[0])}"
-    silent = [r for r in range(nproc) if r not in out and r not in errors]
-    waiting = ", ".join(str(r) for r in sorted(errors))
-    if silent:
-        r = silent[0]
+    if how == "raised":
+        return f"rank {r} failed: {show(errors[r])}{others(r)}"
+    if how == "hung":
+        waiting = ", ".join(str(w) for w in sorted(errors))
         return (f"rank {r} hung: it neither finished nor failed while rank(s) {waiting} waited for it in a "
                 f"collective for runtime.timeout_s={timeout_s:g} s and failed: {_first_line(errors[min(errors)])}")
-    r = min(errors)
-    return f"rank {r} failed in a collective: {errors[r]}{others(r)}"
+    return f"rank {r} failed in a collective: {show(errors[r])}{others(r)}"
+
+
+def _failure(nproc: int, out: dict, errors: dict[int, str], mistakes: dict[int, str], exits: dict,
+             timeout_s: float) -> RankFailed:
+    how, r = cause(nproc, out, errors, exits)
+    return RankFailed(blame(nproc, out, errors, exits, timeout_s),
+                      summary=blame(nproc, out, errors, exits, timeout_s, brief=True), rank=r,
+                      mistake=mistakes.get(r) if how == "raised" else None)
 
 
 def _stalled(nproc: int, out: dict, steps: list[int], idle_s: float, timeout_s: float) -> str:

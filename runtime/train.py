@@ -24,6 +24,7 @@ from shardfn.core.pytree import PyTree, count
 from shardfn.runtime import checkpoint, data, launch
 from shardfn.runtime.build import build_step
 from shardfn.runtime.checkpoint import save_checkpoint
+from shardfn.runtime.errors import NonFiniteError
 from shardfn.runtime.param_source import abstract
 
 # ----------------------------------------------------------------------------- the loop
@@ -58,14 +59,18 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
           trace_dir: str | os.PathLike | None = None) -> TrainResult:
     """Train ``cfg.model`` for ``cfg.train.steps`` steps on one device.
 
-    With ``train.checkpoint.every`` it saves sharded checkpoints to ``train.checkpoint.dir`` and
-    resumes from the newest complete one there, as ``train.checkpoint.resume`` says (see
-    :func:`shardfn.runtime.checkpoint.resume_path`), on any mesh whatever mesh saved it.
+    With ``train.checkpoint.every`` it saves sharded checkpoints to ``train.checkpoint.dir`` (when
+    null, the run's own directory: :func:`shardfn.runtime.checkpoint.run_directory`) and resumes
+    from the newest complete one there, as ``train.checkpoint.resume`` says (see
+    :func:`shardfn.runtime.checkpoint.resume_path`), on any mesh whatever mesh saved it. A resume
+    logs the config keys changed since the checkpoint and refuses another model
+    (:func:`shardfn.runtime.checkpoint.check_resume`).
 
     Args:
         cfg: a run config (``shardfn.config.RunConfig``).
         metrics_path: if given, one JSON object per step is written there
-            (``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``time_s``).
+            (``step``, ``loss``, ``grad_norm``, ``lr``, ``tokens_per_s``, ``time_s``), strict JSON
+            (a non-finite value is ``null``).
         log: where progress lines go (every ``train.log_every`` steps, and the first and last).
         trace_dir: pipeline runs (``mesh.pp > 1``) write the last step's Chrome trace there.
 
@@ -73,6 +78,10 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
 
     Returns:
         A :class:`TrainResult` with the final parameters and optimizer state and the per-step metrics.
+
+    Raises:
+        NonFiniteError: a step's loss or grad_norm is NaN or Inf under ``train.nonfinite=raise``
+            (a :class:`~shardfn.runtime.errors.RunError`, as is a checkpoint of another model).
 
     Example:
         result = train(load_config(None, ["train.steps=20"]), metrics_path="m.jsonl")
@@ -90,6 +99,7 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
 def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     from shardfn import models
 
+    cfg = checkpoint.with_run_directory(cfg)  # train.checkpoint.dir null: the run's own directory
     t = cfg.train
     if not is_main_rank():
         log, metrics_path = (lambda line: None), None  # one voice: rank 0 logs and writes metrics
@@ -103,21 +113,25 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     else:
         def source(regions):
             return model.init(cfg.model, t.seed, device=device, regions=regions)
+    tokens = data.from_config(cfg.data)  # a missing data file fails before anything is built
     start = 0
     ckpt = t.checkpoint
     found = checkpoint.resume_path(ckpt)  # by train.checkpoint.resume; None: step 0
+    changes = checkpoint.check_resume(found, cfg.to_dict()) if found is not None else []  # another model: an error
     shapes = model.init(cfg.model, t.seed, device="meta")
     step_fn = build_step(cfg, model, abstract(shapes, device), record=trace_dir is not None)
     n_params = count(shapes)
     params, opt_state = step_fn.place(source)  # each rank builds only what it holds
     if found is not None:  # in the step's layout: DTensors of its specs on a mesh, whatever mesh saved it
         start, params, opt_state, *_ = checkpoint.restore(found, step_fn, params, opt_state, config=cfg.to_dict())
-        log(f"resuming from {found} (step {start})")
-    tokens = data.from_config(cfg.data)
+        changed = f"; changed since the checkpoint: {', '.join(changes)}" if changes else ""
+        log(f"resuming from {found} (step {start}){changed}")
 
     where = f"{device} ({torch.get_num_threads()} threads)" if device.type == "cpu" else str(device)
+    saves = f", checkpoints every {ckpt.every} steps in {ckpt.dir}" if ckpt.every else ""
     log(f"{cfg.model_name}: {n_params:,} params on {where}, mesh world size {cfg.mesh.world_size}, "
-        f"batch {t.batch_size}x{t.seq_len}, steps {start}->{t.steps}{', compiled' if t.compile else ''}")
+        f"batch {t.batch_size}x{t.seq_len}, steps {start}->{t.steps}{', compiled' if t.compile else ''}{saves}")
+    setup = first_step_work(cfg)
     history: list[dict] = []
     sink = open(metrics_path, "a" if start else "w") if metrics_path else None
     loop_start = time.perf_counter()
@@ -125,6 +139,8 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
         for step in range(start, t.steps):
             launch.progress(step)  # under `spawn`: the launcher's view of this rank (and test faults)
             batch = data.get_batch(tokens, step, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed, device=device)
+            if step == start and setup:
+                log(f"{setup} ...")
             tic = time.perf_counter()
             params, opt_state, metrics = step_fn(params, opt_state, batch)
             values = {k: float(v) for k, v in metrics.items()}  # the one host sync per step
@@ -135,20 +151,15 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
                 record["skipped"] = True
             history.append(record)
             if sink:
-                sink.write(json.dumps(record) + "\n")
+                sink.write(metrics_line(record) + "\n")
                 sink.flush()
             if bad and t.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"step {step + 1}: {bad}; the run stopped there (no checkpoint after it). Lower train.lr, "
-                    f"set train.grad_clip, or set train.nonfinite=skip to skip such updates")
+                raise nonfinite_error(cfg, step + 1, bad, first=step == 0)
             if bad:
                 log(f"step {step + 1}: {bad}; skipped the update (train.nonfinite=skip)")
             done = step + 1
             if done == start + 1 or done % t.log_every == 0 or done == t.steps:
-                window = history[-min(len(history), t.log_every):]
-                tps = t.tokens_per_step * len(window) / sum(r["time_s"] for r in window)
-                log(f"step {done:>{len(str(t.steps))}}/{t.steps}  loss {values['loss']:.4f}  "
-                    f"lr {values['lr']:.2e}  grad_norm {values['grad_norm']:.3f}  tok/s {tps:,.0f}")
+                log(progress_line(t, values, done, history, setup))
             if ckpt.every and (done % ckpt.every == 0 or done == t.steps):
                 save_checkpoint(ckpt.dir, done, *step_fn.to_checkpoint(params, opt_state), keep=ckpt.keep,
                                 config=cfg.to_dict())
@@ -165,3 +176,71 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     if history:
         log(f"done: {len(history)} steps in {seconds:.1f}s, loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f}")
     return TrainResult(params, opt_state, history, seconds)
+
+
+# ----------------------------------------------------------------------------- what the loop prints
+
+
+def first_step_work(cfg) -> str | None:
+    """What the first call of the step does besides the step, as the line announcing it; None
+    when it does nothing worth announcing (one device, eager).
+
+    Example:
+        first_step_work(load_config(None, ["mesh.dp=2", "mesh.tp=2"]))  # 'lowering and compiling the step on dp2 x tp2'
+    """
+    axes = [f"{name}{size}" for name, size in cfg.mesh.axes().items() if size > 1]
+    if axes:
+        return f"lowering and compiling the step on {' x '.join(axes)}"
+    return "compiling the step (train.compile)" if cfg.train.compile else None
+
+
+def progress_line(t, values: dict, done: int, history: list, setup: str | None = None) -> str:
+    """The log line after step ``done``: loss, lr, grad_norm, and the tokens per second of the
+    last ``train.log_every`` steps of ``history`` (this run's records) with its first step left
+    out -- that one also lowers and compiles the step, so its own line gives its time instead.
+    ``setup`` is :func:`first_step_work`'s line (None: nothing to build).
+
+    Example:
+        progress_line(cfg.train, values, 40, history)
+        # 'step  40/200  loss 2.1674  lr 2.93e-03  grad_norm 0.718  tok/s 39,185'
+    """
+    head = (f"step {done:>{len(str(t.steps))}}/{t.steps}  loss {values['loss']:.4f}  lr {values['lr']:.2e}  "
+            f"grad_norm {values['grad_norm']:.3f}")
+    if len(history) == 1:
+        return f"{head}  first step{' (build + compile)' if setup else ''} {history[0]['time_s']:.1f} s"
+    window = history[1:][-t.log_every:]
+    return f"{head}  tok/s {t.tokens_per_step * len(window) / sum(r['time_s'] for r in window):,.0f}"
+
+
+def metrics_line(record: dict) -> str:
+    """One line of the ``--metrics`` file: strict JSON, a non-finite number written as ``null``.
+
+    Example:
+        metrics_line({"step": 7, "loss": float("nan")})  # '{"step": 7, "loss": null}'
+    """
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
+def nonfinite_error(cfg, step: int, bad: str, *, first: bool) -> NonFiniteError:
+    """The error of a step whose loss or gradient norm is not finite, with the advice that holds
+    for ``cfg`` (``first``: no update had been applied yet, so no hyperparameter caused it).
+
+    Example:
+        raise nonfinite_error(cfg, 7, "loss is nan, grad_norm is nan", first=False)
+    """
+    t = cfg.train
+    if first:
+        advice = ("no update had been applied, so the initial parameters"
+                  f"{f' (train.init_from={t.init_from})' if t.init_from else ''} or the data"
+                  f"{f' (data.path={cfg.data.path})' if cfg.data.path else ''} hold NaN or Inf, or the model "
+                  f"overflows on them; train.nonfinite=skip skips such updates")
+    else:
+        fixes = [f"lower train.lr (now {t.lr:g})"]
+        if t.grad_clip is None:
+            fixes.append("set train.grad_clip (e.g. 1.0; it is null)")
+        advice = f"{', '.join(fixes)}, or set train.nonfinite=skip to skip such updates"
+    ckpt = t.checkpoint
+    last = checkpoint.latest_checkpoint(ckpt.dir) if ckpt.every and ckpt.dir else None
+    kept = f"the newest checkpoint, {last}, is from before it" if last else "no checkpoint after it"
+    return NonFiniteError(f"step {step}: {bad}; the run stopped there ({kept}). To go on: {advice}")

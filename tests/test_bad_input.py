@@ -32,14 +32,14 @@ CONFIG_CASES = [
     ("train.weight_decay=-0.1", r"train\.weight_decay must be >= 0, got -0\.1"),
     ("train.warmup_steps=-1", r"train\.warmup_steps must be >= 0, got -1"),
     ("train.seq_len=0", r"train\.seq_len must be >= 1, got 0"),
-    ("train.steps=null", r"train\.steps must not be null; give a int"),
+    ("train.steps=null", r"train\.steps must not be null; give an int"),
     ("train.checkpoint.keep=0", r"train\.checkpoint\.keep must be >= 1, got 0"),
     ("train.checkpoint.every=-1", r"train\.checkpoint\.every must be >= 0 \(0 disables\), got -1"),
     ("train.checkpoint=5", r"train\.checkpoint is a section \(keys: every, dir, keep, resume\), got 5"),
     ("train.steps.x=1", r"cannot override 'train\.steps\.x': 'train\.steps' is a value, not a section"),
     ("mesh=3", r"bad override 'mesh=3': write section\.key=value"),
-    ("mesh.dp=2.5", r"mesh\.dp must be a int, got 2\.5 \(float\)"),
-    ("mesh.dp=true", r"mesh\.dp must be a int, got True \(bool\)"),
+    ("mesh.dp=2.5", r"mesh\.dp must be an int, got 2\.5 \(float\)"),
+    ("mesh.dp=true", r"mesh\.dp must be an int, got True \(bool\)"),
     ("mesh.tp=-2", r"mesh\.tp must be >= 1, got -2"),
     ("data.path=[a]", r"data\.path must be a str or null, got \['a'\] \(list\)"),
     ("data.corpus_bytes=0", r"data\.corpus_bytes must be >= 1, got 0"),
@@ -195,6 +195,20 @@ CLI_CASES = {
     ),
     "runtime.nproc-not-mesh-size": (["train", "runtime.nproc=4", "mesh.dp=2"], r"--nproc 4 but the mesh has 2 devices"),
     "nproc-0": (["train", "--nproc", "0"], r"shardfn train: error: --nproc must be >= 1, got 0"),
+    "nproc-2-one-device": (["train", "--nproc", "2"], r"--nproc 2 but the mesh has 1 device; make them equal"),
+    "tp-3-nproc-3": (
+        ["train", "--nproc", "3", "mesh.tp=3"],
+        r"shardfn train: error: mesh\.tp: 3 does not divide model\.n_heads = 4",
+    ),
+    "data-path-missing-nproc-2": (
+        ["train", "--nproc", "2", "mesh.dp=2", "data.path=no/such.txt"],
+        r"shardfn train: error: data\.path 'no/such\.txt' is not a file; give a text file, or data\.path=null",
+    ),
+    "init_from-missing-nproc-2": (
+        ["train", "--nproc", "2", "mesh.dp=2", "train.init_from=no/such/dir"],
+        r"shardfn train: error: train\.init_from: 'no/such/dir' is not a directory; give a directory of Hugging "
+        r"Face \*\.safetensors files",
+    ),
     "trace-without-pp": (
         ["train", "--trace", "tr", "train.steps=1"],
         r"shardfn train: error: --trace tr records pipeline schedules: set mesh\.pp > 1",
@@ -282,6 +296,14 @@ def test_cli(case, capsys, tmp_path, monkeypatch, clean_process_group):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert _search(message, err), f"{message!r} not in stderr:\n{err}"
+    assert len(err.strip().splitlines()) == 1, f"one message, once:\n{err}"
+
+
+def test_cli_train_data_shorter_than_a_row(tmp_path, capsys):
+    (tmp_path / "short.txt").write_text("hello")
+    assert cli.main(["train", "--nproc", "2", "mesh.dp=2", f"data.path={tmp_path / 'short.txt'}"]) == 2
+    assert capsys.readouterr().err == ("shardfn train: error: the data has 5 tokens, fewer than seq_len + 1 = 129; "
+                                       "use a longer file or a smaller train.seq_len.\n")
 
 
 def _search(pattern, text):
@@ -445,8 +467,8 @@ HF_CONFIG_CASES = {
                   r"model\.dim=4096"),
     "other-model-type": (json.dumps({"model_type": "mistral"}),
                          r"model_type 'mistral' is not a 'llama' model .*set model\.name to match the checkpoint"),
-    "rope-scaling": (json.dumps({"model_type": "llama", "rope_scaling": {"type": "llama3"}}),
-                     r"rope_scaling \{'type': 'llama3'\} is not modelled \(plain RoPE only\)"),
+    "rope-scaling": (json.dumps({"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}),
+                     r"rope_scaling type 'linear' is not modelled; the models implement RoPE scaling llama3, yarn"),
     "hidden-act": (json.dumps({"model_type": "llama", "hidden_act": "gelu"}),
                    r"hidden_act 'gelu'; the models use SwiGLU with silu"),
 }

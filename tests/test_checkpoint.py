@@ -179,6 +179,66 @@ def test_cli_resume_flag(tmp_path, capsys):
     assert f"resuming from {tmp_path / 'step_00000002'} (step 2)" in out and "steps 2->3" in out
 
 
+def test_the_default_directory_is_the_runs_own(tmp_path, monkeypatch, capsys):
+    from shardfn.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["train", *SMALL, "model.n_layers=1", "train.checkpoint.every=2"]
+    assert main([*args, "train.steps=2"]) == 0
+    (own,) = (tmp_path / "runs").iterdir()
+    assert own.name.startswith("llama_tiny-")
+    assert f"checkpoints every 2 steps in runs/{own.name}" in capsys.readouterr().out
+    assert main([*args, "train.steps=2", "train.lr=1e-3"]) == 0  # another run: not the first one's checkpoint
+    out = capsys.readouterr().out
+    assert "resuming" not in out and "steps 0->2" in out
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+    assert main([*args, "train.steps=3"]) == 0  # the same command, with more steps: resumes its own
+    out = capsys.readouterr().out
+    assert (f"resuming from runs/{own.name}/step_00000002 (step 2); changed since the checkpoint: "
+            f"train.steps 2 -> 3\n") in out
+
+
+def test_run_id_names_what_is_trained():
+    def rid(*overrides):
+        return ck.run_id(load_config(None, [*SMALL, *overrides]).to_dict())
+
+    assert rid() == rid("train.steps=7", "train.log_every=3", "mesh.dp=2", "runtime.threads=2",
+                        "train.checkpoint.every=5", "pipeline.microbatches=2")
+    assert len({rid(), rid("train.lr=1e-3"), rid("model.n_layers=1"), rid("train.seed=1"),
+                rid("data.corpus_bytes=4096")}) == 5
+    cfg = load_config(None, SMALL)
+    assert ck.run_directory(cfg) == f"runs/llama_tiny-{rid()}" and cfg.train.checkpoint.dir is None
+    assert ck.with_run_directory(cfg).train.checkpoint.dir == ck.run_directory(cfg)
+    assert ck.run_directory(load_config(None, [*SMALL, "train.checkpoint.dir=mine"])) == "mine"
+
+
+def test_resume_prints_what_changed_and_refuses_another_model(tmp_path, capsys):
+    from shardfn.cli import main
+
+    args = ["train", *SMALL, "train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}"]
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main([*args, "train.lr=1e-3", "train.steps=3", "runtime.threads=2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"resuming from {tmp_path / 'step_00000002'} (step 2); changed since the checkpoint: "
+                          f"train.lr 0.003 -> 0.001, train.steps 2 -> 3\n"), out
+    for nproc in ([], ["--nproc", "2", "mesh.dp=2"]):  # refused before any rank is spawned
+        assert main([*args, "train.steps=4", "model.n_layers=1", *nproc]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"shardfn train: error: checkpoint {tmp_path / 'step_00000003'} holds another model: "
+                              f"model.n_layers is 2 there and 1 here. Resume it with the model it was saved with")
+        assert "Traceback" not in err and len(err.splitlines()) == 1
+    with pytest.raises(ValueError, match=r"holds another model: model\.n_layers is 2 there and 1 here"):
+        _run(None, ["train.steps=4", "model.n_layers=1", "train.checkpoint.every=2",
+                    f"train.checkpoint.dir={tmp_path}"])
+    meta = tmp_path / "step_00000003" / "meta.json"  # as saved before model.init_std existed
+    saved = json.loads(meta.read_text())
+    del saved["config"]["model"]["init_std"]
+    meta.write_text(json.dumps(saved))
+    now = load_config(None, [*SMALL, "train.lr=1e-3", "train.steps=3", "train.checkpoint.every=2"])
+    assert ck.check_resume(meta.parent, now.to_dict()) == ["model.init_std null -> 0.02"]
+
+
 # ----------------------------------------------------------------------------- gloo meshes
 
 
@@ -347,10 +407,12 @@ def _pipeline_resume_worker(config, mesh, d):
 @pytest.mark.parametrize("config,mesh,nproc", [
     ("llama_tiny", ["mesh.pp=2"], 2),
     ("moe_tiny", ["mesh.pp=2", "mesh.ep=2"], 4),
-    pytest.param("moe_tiny", ["mesh.pp=2", "mesh.fsdp=2", "mesh.ep=2"], 8, marks=pytest.mark.slow),
+    pytest.param("moe_tiny", ["mesh.pp=2", "mesh.fsdp=2", "mesh.ep=2", "train.batch_size=8"], 8,
+                 marks=pytest.mark.slow),  # 2 microbatches of a row per data rank
 ], ids=["pp2", "pp2xep2", "pp2xfsdp2xep2"])
 def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, config, mesh, nproc):
-    one = [*PP, "train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/one"]
+    same = [o for o in mesh if o.startswith("train.")]  # the batch: the one-device runs compare losses
+    one = [*PP, *same, "train.steps=2", "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/one"]
     on_one = [r["loss"] for r in _run(config, one).history]
     out = spawn(_pipeline_resume_worker, nproc, args=(config, mesh, str(tmp_path)), timeout_s=300)
     for rank in out:
@@ -379,7 +441,7 @@ def test_pipeline_runs_resume_exactly_and_load_under_another_layout(tmp_path, co
     # one device resumes from the pp checkpoint
     assert ck.load_checkpoint(path, *_fresh(cfg)).step == 2
     shutil.copytree(path, tmp_path / "pp_at_2" / path.name)  # the resumed pp run also saved step 4 there
-    resumed = _run(config, [*PP, "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/pp_at_2",
+    resumed = _run(config, [*PP, *same, "train.checkpoint.every=2", f"train.checkpoint.dir={tmp_path}/pp_at_2",
                             "train.checkpoint.resume=true"])
     assert [r["step"] for r in resumed.history] == [3, 4]
     torch.testing.assert_close(torch.tensor([r["loss"] for r in resumed.history]), torch.tensor(out[0]["straight"][2:]),
@@ -404,3 +466,13 @@ def test_blocks_save_and_load_as_chunks_of_the_global_tensor(tmp_path):
     assert torch.equal(rows, w[:2])
     with pytest.raises(ValueError, match=r"a block of shape \(2, 3\) at \(3, 0\) lies outside \(4, 3\)"):
         Blocks((4, 3), torch.float32, [((3, 0), rows)])
+
+
+def test_config_changes_name_each_key_and_take_a_missing_key_as_null():
+    saved = load_config(None, SMALL).to_dict()
+    now = load_config(None, [*SMALL, "train.lr=1e-3", "mesh.dp=2", "runtime.threads=3",
+                             "train.checkpoint.dir=elsewhere"]).to_dict()
+    assert ck.config_changes(saved, now) == [("mesh.dp", 1, 2), ("train.lr", 0.003, 0.001)]
+    del saved["model"]["init_std"]
+    saved["model"]["added_later"] = None
+    assert [k for k, *_ in ck.config_changes(saved, now)] == ["mesh.dp", "model.init_std", "train.lr"]

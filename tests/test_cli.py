@@ -75,3 +75,79 @@ def test_register_subcommand_resolves_lazily(monkeypatch, capsys):
         assert cli.main(["hello", "--json"]) == 0
     finally:
         cli.SUBCOMMANDS.pop("later")
+
+
+def _raises(error):
+    def run(args):
+        raise error
+    return run
+
+
+@pytest.mark.parametrize("how", ["flag", "flag-after", "env"])
+def test_a_failure_is_one_line_and_debug_shows_its_traceback(how, monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "boom", cli.Subcommand("fail", lambda p: None,
+                                                                 _raises(RuntimeError("kaboom"))))
+    monkeypatch.delenv("SHARDFN_DEBUG", raising=False)
+    assert cli.main(["boom"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("shardfn boom: RuntimeError: kaboom\n") and "Traceback" not in err
+    assert "shardfn --debug boom" in err and "SHARDFN_DEBUG=1" in err
+    argv = {"flag": ["--debug", "boom"], "flag-after": ["boom", "--debug"], "env": ["boom"]}[how]
+    if how == "env":
+        monkeypatch.setenv("SHARDFN_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="kaboom"):  # the traceback is Python's own
+        cli.main(argv)
+
+
+def test_ctrl_c_in_any_subcommand_exits_130(monkeypatch, capsys):
+    monkeypatch.setitem(cli.SUBCOMMANDS, "wait", cli.Subcommand("wait", lambda p: None,
+                                                                 _raises(KeyboardInterrupt())))
+    monkeypatch.delenv("SHARDFN_DEBUG", raising=False)
+    assert cli.main(["wait"]) == 130
+    assert capsys.readouterr().err == "shardfn wait: interrupted\n"
+
+
+def test_debug_in_top_help(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "--debug" in capsys.readouterr().out
+
+
+def test_train_help_says_what_the_defaults_are(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "default: runtime.nproc, else the mesh size" in out
+    assert "(step, loss, grad_norm, lr, tokens_per_s, time_s)" in out
+    assert "--debug" in out
+
+
+def _readme() -> str:
+    from pathlib import Path
+
+    return (Path(cli.__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def test_readme_train_usage_lists_every_option():
+    from shardfn.cli.main import SUBCOMMANDS, _resolve
+
+    usage = next(line for line in _readme().splitlines() if line.startswith("### `shardfn train"))
+    parser = __import__("argparse").ArgumentParser()
+    _resolve(SUBCOMMANDS["train"].add_arguments)(parser)
+    options = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert options and all(f"[{o}" in usage for o in options), (options, usage)
+
+
+def test_readme_library_snippet_passes_the_model_config():
+    import re
+
+    snippet = re.search(r"## Library\n\n```python\n(.*?)```", _readme(), re.S).group(1)
+    assert "value_and_grad(model.loss)(params, batch, cfg.model)" in snippet
+
+
+def test_plan_memory_line_names_the_budget(capsys):
+    assert cli.main(["plan", "partition.memory_budget=1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "of 1.00 MiB (partition.memory_budget): DOES NOT FIT" in out
+    assert cli.main(["plan", "--hardware", "h200"]) == 0
+    assert "(h200 memory): fits" in capsys.readouterr().out

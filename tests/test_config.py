@@ -88,7 +88,7 @@ def test_bad_model_config_names_model_key(tmp_path):
 
 def test_bad_values_name_key_and_requirement(tmp_path):
     path = _write(tmp_path, MINIMAL)
-    with pytest.raises(ValueError, match=r"train\.steps must be a int, got 'many'"):
+    with pytest.raises(ValueError, match=r"train\.steps must be an int, got 'many'"):
         C.load_config(path, ["train.steps=many"])
     with pytest.raises(ValueError, match=r"train\.b2 must be in \[0, 1\)"):
         C.load_config(path, ["train.b2=1.0"])

@@ -1,8 +1,10 @@
 """Faults on real gloo ranks (runtime/launch.py): a rank SIGKILLed mid-step, a hung rank, a rank
-that raises, a run that makes no progress, and the CLI's exit code. Each run is stopped within a
-bound of ``runtime.timeout_s``, the error names the rank, and no process of the run is left."""
+that raises, a run that makes no progress, Ctrl-C, and the CLI's exit code. Each run is stopped
+within a bound of ``runtime.timeout_s``, the error names the rank, and no process of the run is left."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -129,3 +131,55 @@ def test_cli_exits_nonzero_naming_the_killed_rank(tmp_path, tagged):
     assert done.returncode == 1, done.stderr[-2000:]
     assert "shardfn train: rank 1 died: it was killed by SIGKILL" in done.stderr
     assert time.monotonic() - start < 120
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+RUN_ON = ["model.n_layers=1", "train.batch_size=4", "train.seq_len=16", "train.steps=100000",
+          "train.log_every=100000", "train.checkpoint.every=2", "train.checkpoint.dir=ckpt"]
+
+
+def _ctrl_c(tmp_path, *args) -> tuple[int, str]:
+    """Run ``shardfn train ARGS`` in its own session and, once it has logged its first step and
+    saved a checkpoint, send SIGINT to its process group (what Ctrl-C in a terminal does)."""
+    from shardfn.runtime.checkpoint import latest_checkpoint
+
+    cmd = [sys.executable, "-m", "shardfn.cli", "train", *RUN_ON, *args]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step "):
+                break
+        deadline = time.monotonic() + 120
+        while latest_checkpoint(tmp_path / "ckpt") is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        return proc.returncode, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="the orphan check reads /proc")
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2", "mesh.dp=2"]], ids=["one-process", "nproc-2"])
+def test_ctrl_c_stops_every_rank_and_says_how_to_resume(nproc, tmp_path, tagged):
+    code, err = _ctrl_c(tmp_path, *nproc)
+    assert code == 130, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    match = re.fullmatch(r"shardfn train: interrupted; the last complete checkpoint is (ckpt/step_\d{8}) \(step "
+                         r"\d+\); resume with: shardfn train .*train\.checkpoint\.dir=ckpt.* --resume\n", err)
+    assert match, err
+    assert (tmp_path / match.group(1)).is_dir()
+
+
+def test_the_summary_leaves_the_tracebacks_out():
+    own = 'ValueError: batch too small\nTraceback (most recent call last):\n  File "x.py", line 1\nValueError'
+    closed = "RuntimeError: [pair.cc:534] Connection closed by peer\nTraceback (most recent call last):\n ..."
+    assert launch.cause(2, {}, {0: closed, 1: own}, {0: 1, 1: 1}) == ("raised", 1)
+    assert launch.blame(2, {}, {0: closed, 1: own}, {0: 1, 1: 1}, 30, brief=True) == (
+        "rank 1 failed: ValueError: batch too small; then rank 0 failed: RuntimeError: [pair.cc:534] Connection "
+        "closed by peer")
+    assert "Traceback" in launch.blame(2, {}, {0: closed, 1: own}, {0: 1, 1: 1}, 30)

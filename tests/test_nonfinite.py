@@ -1,5 +1,8 @@
 """NaN/Inf steps: train.nonfinite=raise stops the run naming the step; =skip leaves params and state unchanged."""
 
+import json
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -116,3 +119,58 @@ def test_two_ranks_skip_alike_and_raise_naming_the_step(tmp_path):
         assert error is not None and error.startswith(f"step {bad[0] + 1}: loss is nan, grad_norm is nan")
         for a, b in zip(tree_leaves(got), tree_leaves(ref_params)):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, equal_nan=True)  # 6 Adam steps of rounding
+
+
+def test_nonfinite_advice_holds_for_the_config():
+    from shardfn.runtime.train import nonfinite_error
+
+    clipped = str(nonfinite_error(load_config(None, SMALL), 7, "grad_norm is nan", first=False))
+    assert clipped.startswith("step 7: grad_norm is nan; the run stopped there (no checkpoint after it)")
+    assert "lower train.lr (now 0.003)" in clipped and "train.nonfinite=skip" in clipped
+    assert "grad_clip" not in clipped  # it is set already
+    unclipped = str(nonfinite_error(load_config(None, [*SMALL, "train.grad_clip=null"]), 7, "loss is inf", first=False))
+    assert "set train.grad_clip (e.g. 1.0; it is null)" in unclipped
+    first = str(nonfinite_error(load_config(None, [*SMALL, "train.init_from=w/"]), 1, "loss is nan", first=True))
+    assert "no update had been applied" in first and "train.init_from=w/" in first and "train.lr" not in first
+
+
+def _strict(text):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_cli_nan_is_one_message_exit_2_and_strict_metrics(tmp_path, capsys, monkeypatch):
+    from shardfn import cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", *SMALL, "train.lr=1e30", "train.warmup_steps=0", "--metrics", "m.jsonl"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"shardfn train: error: step (\d+): (loss|grad_norm) is (nan|inf).*; the run stopped there "
+                        r"\(no checkpoint after it\)\. To go on: lower train\.lr \(now 1e\+30\), or set "
+                        r"train\.nonfinite=skip to skip such updates\n", err), err
+    records = [_strict(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert None in records[-1].values()  # the non-finite value, as null
+
+
+def test_metrics_line_is_strict_json():
+    from shardfn.runtime.train import metrics_line
+
+    line = metrics_line({"step": 3, "loss": float("nan"), "grad_norm": float("-inf"), "lr": 1e-3})
+    assert _strict(line) == {"step": 3, "loss": None, "grad_norm": None, "lr": 1e-3}
+
+
+def test_cli_nan_on_two_ranks_is_one_message_naming_the_rank(tmp_path, capsys, monkeypatch):
+    from shardfn import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SHARDFN_DEBUG", raising=False)
+    argv = ["train", "--nproc", "2", "mesh.dp=2", *SMALL, "train.lr=1e30", "train.warmup_steps=0",
+            "train.grad_clip=null", "runtime.timeout_s=60"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"shardfn train: error: rank 0: step \d+: (loss|grad_norm) is (nan|inf).*To go on: lower "
+                        r"train\.lr \(now 1e\+30\), set train\.grad_clip \(e\.g\. 1\.0; it is null\), or set "
+                        r"train\.nonfinite=skip to skip such updates\n", err), err

@@ -148,3 +148,27 @@ def test_step_is_one_dynamo_graph(config):
     torch._dynamo.reset()
     explained = torch._dynamo.explain(make_train_step(model, cfg.model, opt))(params, opt.init(params), batch)
     assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
+
+
+def test_throughput_leaves_out_the_first_step():
+    from shardfn.runtime.train import first_step_work, progress_line
+
+    t = load_config(None, ["train.batch_size=4", "train.seq_len=32", "train.log_every=3", "train.steps=9"]).train
+    values = {"loss": 2.0, "lr": 1e-3, "grad_norm": 0.5}
+    history = [{"step": 5, "time_s": 8.1}, {"step": 6, "time_s": 0.1}, {"step": 7, "time_s": 0.3}]
+    assert progress_line(t, values, 5, history[:1], "lowering and compiling the step on dp2 x tp2").endswith(
+        "grad_norm 0.500  first step (build + compile) 8.1 s")
+    assert progress_line(t, values, 5, history[:1]).endswith("first step 8.1 s")
+    assert progress_line(t, values, 6, history[:2]).endswith("tok/s 1,280")  # 128 tokens in 0.1 s
+    assert progress_line(t, values, 7, history).endswith("tok/s 640")  # 256 in 0.4 s: step 5 left out
+    assert first_step_work(load_config(None, ["mesh.dp=2", "mesh.tp=2"])) == ("lowering and compiling the step on "
+                                                                             "dp2 x tp2")
+    assert first_step_work(load_config(None, ["train.compile=true"])) == "compiling the step (train.compile)"
+    assert first_step_work(load_config(None)) is None
+
+
+def test_the_log_gives_the_first_step_its_own_line():
+    lines = []
+    train(load_config(None, [*SMALL, "train.steps=4", "train.log_every=2"]), log=lines.append)
+    assert lines[1].startswith("step 1/4") and " first step " in lines[1] and "tok/s" not in lines[1]
+    assert lines[2].startswith("step 2/4") and "tok/s" in lines[2]
