@@ -32,8 +32,10 @@ from typing import Any, Iterable, Union
 
 import yaml
 
+from shardfn.core.precision import DTYPES, PRECISIONS
 from shardfn.core.units import parse_bytes
 from shardfn.partition.layouts import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, check_batch, data_size
+from shardfn.partition.remat import POLICIES as REMAT_POLICIES
 from shardfn.partition.schedules import SCHEDULES, canonical_name
 from shardfn.partition.spec import entry_axes
 
@@ -72,7 +74,9 @@ class MeshConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0  # save every N steps (and after the last); 0 disables checkpointing
-    dir: str = "runs/checkpoints"  # step_XXXXXXXX/ directories (runtime/checkpoint.py), any mesh loads any
+    # step_XXXXXXXX/ directories (runtime/checkpoint.py), any mesh loads any; null: the run's own,
+    # runs/<config name>-<hash of the model, train and data keys> (checkpoint.run_directory)
+    dir: Union[str, None] = None
     keep: int = 2  # number of most recent complete checkpoints kept
     # auto: resume from the newest complete checkpoint in dir when every > 0; true (--resume):
     # resume from it, an error if there is none; false: start at step 0, an error if dir holds any
@@ -107,6 +111,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training step
     init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf.py)
     nonfinite: str = "raise"  # a NaN/Inf loss or grad_norm: "raise" stops the run, "skip" skips that update
+    precision: str = "fp32"  # "bf16": fp32 master weights and optimizer state, bf16 compute (core/precision.py)
+    reduce_dtype: str = "fp32"  # the dtype gradient sums travel in between ranks
+    remat: str = "none"  # activation checkpointing: none | full | selective (partition/remat.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
@@ -125,6 +132,11 @@ class TrainConfig:
         _check(self.eps > 0, "train.eps", "must be > 0", self.eps)
         _check(self.grad_clip is None or self.grad_clip > 0, "train.grad_clip", "must be > 0 or null", self.grad_clip)
         _check(self.nonfinite in NONFINITE, "train.nonfinite", f"must be one of {', '.join(NONFINITE)}", self.nonfinite)
+        _check(self.precision in PRECISIONS, "train.precision", f"must be one of {', '.join(PRECISIONS)}",
+               self.precision)
+        _check(self.reduce_dtype in DTYPES, "train.reduce_dtype", f"must be one of {', '.join(DTYPES)}",
+               self.reduce_dtype)
+        _check(self.remat in REMAT_POLICIES, "train.remat", f"must be one of {', '.join(REMAT_POLICIES)}", self.remat)
         self.checkpoint.validate()
 
 
@@ -455,7 +467,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if value is None:
         if type(None) in options:
             return None
-        raise ValueError(f"{key} must not be null; give a {_type_names(options)}")
+        raise ValueError(f"{key} must not be null; give {_a(_type_names(options))}")
     for t in options:
         if t is bool and isinstance(value, bool):
             return value
@@ -471,11 +483,16 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         return value  # "40GiB": parsed by PartitionConfig.validate
     if str in options and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
-    raise ValueError(f"{key} must be a {_type_names(options)}, got {value!r} ({type(value).__name__})")
+    raise ValueError(f"{key} must be {_a(_type_names(options))}, got {value!r} ({type(value).__name__})")
 
 
 def _type_names(options: tuple) -> str:
     return " or ".join("null" if t is type(None) else t.__name__ for t in options)
+
+
+def _a(noun: str) -> str:
+    """``"an int"``, ``"a str or null"``: the noun with its article."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _validate_run(cfg: RunConfig) -> None:

@@ -29,9 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="h200", metavar="NAME",
                         help=f"hardware profile: {', '.join(available_hardware())}, or a YAML file (default: h200)")
     parser.add_argument("--json", action="store_true", help="print the plan (or the search's list) as JSON")
-    parser.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="plan with activation checkpointing: the same as train.remat=full")
     parser.add_argument("--dtype", choices=_DTYPES, default="float32",
-                        help="parameter and compute dtype (default: float32, what the train step runs)")
+                        help="bfloat16: the same as train.precision=bf16 (fp32 master weights and optimizer "
+                             "state, bf16 compute); float32 (default): the config's train.precision")
     parser.add_argument("--gpus", type=int, metavar="N", help="devices: the mesh must use exactly N (required by "
                                                               "--search)")
     parser.add_argument("--search", action="store_true", help="enumerate layouts of --gpus devices; print those that "

@@ -9,7 +9,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
 
 import optree
 import torch
@@ -97,6 +98,39 @@ class LoweredStep:
         return optree.tree_unflatten(self.traced.out_treedef, wrapped)
 
 
+PASS_POINTS = ("after_trace", "after_propagate", "after_lower")
+"""Where ``sf.jit(..., passes=)`` runs graph passes, in the order of the flow."""
+
+
+def check_passes(passes: Mapping[str, Sequence[Callable]] | None) -> dict[str, list[Callable]]:
+    """``passes`` as ``{point: [pass, ...]}``, refusing an unknown point or a pass that is not callable."""
+    out: dict[str, list[Callable]] = {}
+    for point, fns in (passes or {}).items():
+        if point not in PASS_POINTS:
+            raise ValueError(f"sf.jit passes: unknown point {point!r}; passes run at {', '.join(PASS_POINTS)}")
+        fns = [fns] if callable(fns) else list(fns)
+        for fn in fns:
+            if not callable(fn):
+                raise TypeError(f"sf.jit passes[{point!r}]: {fn!r} is not a function GraphModule -> GraphModule")
+        out[point] = fns
+    return out
+
+
+def run_passes(passes: dict[str, list[Callable]], point: str, traced: Traced, gm: torch.fx.GraphModule | None = None):
+    """Run the passes at ``point`` on ``traced``'s global graph (or on ``gm``, a per-rank program,
+    which is then returned); each must return a GraphModule with the same inputs and outputs."""
+    target = traced.graph_module if gm is None else gm
+    for fn in passes.get(point, ()):
+        out = fn(target)
+        if not isinstance(out, torch.fx.GraphModule):
+            raise TypeError(f"sf.jit pass {getattr(fn, '__name__', fn)!r} at {point} returned "
+                            f"{type(out).__name__}; a pass returns the GraphModule it was given or a new one")
+        target = out
+    if gm is not None:
+        return target
+    return dataclasses.replace(traced, graph_module=target)
+
+
 def _to_local(x: torch.Tensor, mesh: Mesh, placements, path: str) -> torch.Tensor:
     if isinstance(x, DTensor):
         if tuple(x.placements) != tuple(placements):
@@ -110,7 +144,7 @@ class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
     def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None,
-                 reshard_after_forward=True):
+                 reshard_after_forward=True, passes=None):
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs
@@ -121,6 +155,7 @@ class Jitted:
         self.arg_names = arg_names
         self.memory_budget = memory_budget
         self.reshard_after_forward = reshard_after_forward
+        self.passes = check_passes(passes)
         self._cache: dict[Any, LoweredStep] = {}
 
     def lower(self, *args) -> LoweredStep:
@@ -138,6 +173,7 @@ class Jitted:
             return step
         with mesh_scope(self.mesh):
             traced = trace(self.fn, args)
+        traced = run_passes(self.passes, "after_trace", traced)
         in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
         in_placements = []
         for spec, meta, path in zip(in_specs, traced.in_meta, traced.in_paths):
@@ -155,8 +191,18 @@ class Jitted:
         arg_of_leaf = _arg_index_of_leaves(args)
         stored = [i in self.fsdp_argnums for i in arg_of_leaf]
         roles = [self.arg_names[i] if self.arg_names else f"arg{i}" for i in arg_of_leaf]
-        lowered = lower(traced, self.mesh, in_placements, out_placements, stored=stored, fsdp_axes=self.fsdp_axes,
-                        reuse_gathers=not self.reshard_after_forward)
+        def lower_traced(traced):
+            return lower(traced, self.mesh, in_placements, out_placements, stored=stored,
+                         fsdp_axes=self.fsdp_axes, reuse_gathers=not self.reshard_after_forward)
+
+        lowered = lower_traced(traced)
+        if self.passes.get("after_propagate"):  # they read each node's meta["sf_placements"]
+            before = traced.graph_module.code
+            traced = run_passes(self.passes, "after_propagate", traced)
+            if traced.graph_module.code != before:  # a rewrite: propagate and lower what it made
+                lowered = lower_traced(traced)
+        if self.passes.get("after_lower"):
+            lowered.graph_module = run_passes(self.passes, "after_lower", traced, lowered.graph_module)
         step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles)
         self._cache[key] = step
         return step
@@ -177,6 +223,7 @@ def jit(
     arg_names: Sequence[str] | None = None,
     memory_budget: float | None = None,
     reshard_after_forward: bool = True,
+    passes: Mapping[str, Sequence[Callable]] | None = None,
 ) -> Jitted:
     """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
 
@@ -193,6 +240,11 @@ def jit(
             leaves in it); default the hardware profile's device memory.
         reshard_after_forward: ``fsdp_argnums`` values are gathered again for the backward (True,
             less memory) or gathered once, the copy kept for the backward (False, half the bytes).
+        passes: graph passes (``GraphModule -> GraphModule``) by point of the flow:
+            ``after_trace`` (the global graph, e.g. ``partition.remat.remat_pass("full")``),
+            ``after_propagate`` (the global graph with ``meta["sf_placements"]`` on each node;
+            a rewrite is propagated and lowered again) and ``after_lower`` (the per-rank program,
+            collectives included). Each runs once per lowering, in order (``docs/passes.md``).
 
     Example:
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
@@ -202,7 +254,7 @@ def jit(
         raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
                         f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget,
-                  reshard_after_forward)
+                  reshard_after_forward, passes)
 
 
 def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):

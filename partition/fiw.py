@@ -200,17 +200,24 @@ def _add_tree(node: fx.Node) -> list[fx.Node]:
     return leaves
 
 
-def joint_graph(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModule, list[str]]:
+def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") -> tuple[fx.GraphModule, list[str]]:
     """:func:`trace_joint` with each stacked parameter's gradient built by one ``stack``
     (:func:`stack_layer_grads`): the global joint that :func:`split_joint` cuts, directly or after
-    partitioning (``partition.stage_programs``).
+    partitioning (``partition.stage_programs``). ``remat``: a ``partition.remat`` policy; what it
+    does not save is recomputed in the backward (I and W), not kept from F.
 
-        joint, names = joint_graph(stage)
+        joint, names = joint_graph(stage, remat="selective")
     """
     gm, names = trace_joint(stage, device)
     outs = output_nodes(gm)
     head = 1 + (stage.in_spec is not None)
     stack_layer_grads(gm, outs[head:])
+    if remat != "none":
+        from shardfn.partition.remat import remat as rematerialize
+
+        for node, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names):
+            node.meta.setdefault("sf_path", name)  # "param:layers.attn.wq": its stack is "param:layers"
+        rematerialize(gm, remat, forward_of=[output_nodes(gm)[0]])
     return gm, names
 
 
@@ -281,7 +288,7 @@ def set_programs(stage, split: Split):
     return stage
 
 
-def split_fiw(stage, device: torch.device | str = "cpu"):
+def split_fiw(stage, device: torch.device | str = "cpu", remat: str = "none"):
     """Fill ``stage.F``, ``stage.I``, ``stage.W`` from its joint (:func:`joint_graph`), cut by
     dependency on ``dy`` (:func:`split_joint`): the programs of a stage on one device.
 
@@ -290,7 +297,7 @@ def split_fiw(stage, device: torch.device | str = "cpu"):
         env = stage.inputs_env(params, x, data); stage.F.run(env)
         env["dy"] = dy; stage.I.run(env); stage.W.run(env)   # env[stage.dx_name], grads by stage.grad_names
     """
-    gm, names = joint_graph(stage, device)
+    gm, names = joint_graph(stage, device, remat)
     return set_programs(stage, split_joint(gm, names, stage.in_spec is not None))
 
 

@@ -12,7 +12,8 @@ cheapest strategy for the inputs it is given). Three policies sit on top:
 2. **Gather on use** (ZeRO-3 / FSDP): inputs named by ``fsdp_argnums`` are stored sharded over the
    ``fsdp_axes``; each *use* of such a value by a compute op all-gathers it over those axes, so
    the forward and the backward each gather it and nothing gathered lives across the two.
-   Slicing a layer out of a stacked weight (``select``) happens on the shard first. Element-wise
+   Slicing a layer out of a stacked weight (``select``) and casting it to the compute dtype (mixed
+   precision) happen on the shard first, so the gather moves the compute dtype. Element-wise
    ops that keep the value's shape (the optimizer update) run on the shard. With
    ``reuse_gathers`` (``partition.reshard_after_forward=false``) each stored value is gathered
    once and the gathered copy serves the backward too: fewer bytes moved, more held.
@@ -39,6 +40,10 @@ aten = torch.ops.aten
 
 # Ops that take a slice out of a stored parameter without touching its sharded dims.
 _SLICING_OPS = {aten.select.int, aten.slice.Tensor}
+
+# Dtype casts: a stored parameter cast to the compute dtype (mixed precision) is cast on its shard
+# and stays stored, so it is gathered in the compute dtype.
+_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 
 _CONSTANT_COPIES = {aten.lift_fresh_copy.default, aten.lift_fresh.default}
@@ -217,8 +222,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
         stored_in = [i for i, src in enumerate(sources) if isinstance(src, torch.fx.Node) and src in self.stored_nodes]
         if not stored_in:
             return args, kwargs
-        if target in _SLICING_OPS:
-            self.stored_nodes.add(n)  # slicing a layer out of the shard keeps it stored
+        if target in _SLICING_OPS or (target in _CASTS and len(stored_in) == 1):
+            self.stored_nodes.add(n)  # slicing a layer out of the shard, or casting it, keeps it stored
             return args, kwargs
         out_shape = n.meta.get("val").shape if isinstance(n.meta.get("val"), torch.Tensor) else None
         elementwise = torch.Tag.pointwise in target.tags

@@ -167,7 +167,8 @@ def _local_spec(spec: TensorSpec, mesh, placements) -> TensorSpec:
 
 
 def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_once: bool,
-                fsdp_axes: tuple[str, ...] = ("fsdp",), device: torch.device | str = "cpu") -> StagePrograms:
+                fsdp_axes: tuple[str, ...] = ("fsdp",), device: torch.device | str = "cpu",
+                remat: str = "none") -> StagePrograms:
     """``stage``'s programs for one rank of ``mesh`` (the stage's mesh, no ``pp``).
 
     Args:
@@ -178,6 +179,7 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
         batch: the spec of ``[batch, ...]`` values (``partition.layouts.batch_spec``).
         gather_once: gather the parameters over ``fsdp_axes`` once per step (a separate program)
             rather than on each use in F and I.
+        remat: a ``partition.remat`` policy applied to the stage's joint before it is partitioned.
 
     Example:
         programs = lower_stage(pipe.stages[1], mesh.sub(["fsdp", "tp"]), specs, P("fsdp"), gather_once=True)
@@ -185,9 +187,9 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
     """
     if mesh is None or mesh.size == 1:
         local = dataclasses.replace(stage)
-        return StagePrograms(split_fiw(local, device))
+        return StagePrograms(split_fiw(local, device, remat))
     with mesh_scope(mesh):
-        gm, names = joint_graph(stage, device)
+        gm, names = joint_graph(stage, device, remat)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     in_meta = [n.meta["val"] for n in placeholders]

@@ -28,6 +28,7 @@ from shardfn.plan.inventory import (
 )
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, inflight, makespan_units, rank_stages
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, lower_pipeline, profile
+from shardfn.runtime.train_step import precision_policy
 
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 """Collective kinds in report order."""
@@ -61,6 +62,9 @@ class Plan:
     fits: bool
     trace: dict
     notes: list = field(default_factory=list)
+    budgeted: bool = False  # capacity_bytes is partition.memory_budget, not the device's memory
+    precision: str = "fp32"  # the run's train.precision and train.remat the plan describes
+    remat: str = "none"
 
     @property
     def comm_by_axis(self) -> dict:
@@ -70,6 +74,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "model": self.model, "config": self.config, "hardware": self.hardware, "dtype": self.dtype,
+            "precision": self.precision, "remat": self.remat,
             "layout": self.layout.to_dict(), "batch": dict(self.batch), "params": dict(self.params),
             "per_rank": dict(self.per_rank), "ranks": [dict(r) for r in self.ranks],
             "comm": [dict(r) for r in self.comm], "comm_by_axis": self.comm_by_axis, "time": dict(self.time),
@@ -143,8 +148,11 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         cfg: a run config (``shardfn.config.load_config``).
         layout: the layout to plan; default ``Layout.from_config(cfg)``.
         hardware: a profile name (``"h200"``) or ``Hardware``.
-        dtype: parameter and compute dtype (the train step runs in the parameters' dtype).
-        checkpointing: activation checkpointing on/off (overrides ``layout.checkpointing``).
+        dtype: ``torch.bfloat16`` plans the run with ``train.precision=bf16`` (fp32 master weights
+            and optimizer state, bf16 compute); ``torch.float32`` keeps the config's own precision.
+        checkpointing: True plans with ``train.remat=full``, False with ``none``; None: the
+            ``layout``'s ``checkpointing`` when a layout is given, else the config's own
+            ``train.remat``.
         gpus: if given, the layout's world size must equal it.
         full_trace: trace the whole model (True), reduced and scaled (False), or by size (None).
         profiles: a cache of traced profiles shared between plans (``None``: no cache).
@@ -158,16 +166,19 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     """
     from shardfn import models
 
-    layout = layout or Layout.from_config(cfg)
-    if checkpointing is not None:
-        layout = dataclasses.replace(layout, checkpointing=checkpointing)
+    if checkpointing is None and layout is not None:
+        checkpointing = layout.checkpointing  # a layout to plan says it (the search tries both)
+    cfg = run_config(cfg, dtype, checkpointing)
+    layout = dataclasses.replace(layout or Layout.from_config(cfg), checkpointing=cfg.train.remat != "none")
+    compute = precision_policy(cfg.train).compute_dtype
+    dtype = torch.float32  # the parameters, gradients and optimizer state: master weights
     check_layout(cfg, layout, gpus=gpus)
     hw = load_hardware(hardware)
     model, mcfg = models.get(cfg.model_name), cfg.model
     tied = mcfg.tie_embeddings
     leaves = mesh_leaves(model, mcfg, layout.axes(), cfg.rules, dtype)
     facts = model_facts(model, mcfg, leaves)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = torch.empty((), dtype=compute).element_size()  # activations and exchanges
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
     tokens_mb = rows * cfg.train.seq_len                    # tokens of one microbatch on one rank
     input_bytes = tokens_mb * mcfg.dim * itemsize           # one [mb, seq, dim] activation
@@ -187,7 +198,8 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     else:
         layer_saved = {k: s for k, (s, _) in prof.per_layer.items()}
         ckpt_saved = [n * input_bytes + (prof.base[0] if s.last else 0) for n, s in zip(n_layers, stages)]
-    held, held_mb, sends = inflight(layout, ckpt_saved if layout.checkpointing else list(stage_saved))
+    # the traced step is the run's own, remat pass included: what it saves is what the run holds
+    held, held_mb, sends = inflight(layout, list(stage_saved))
 
     memory = memory_bytes(cfg, layout, dtype=dtype)
     # a small model under pp: its real stage programs, lowered on a fake mesh, give each rank's
@@ -217,6 +229,9 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
             "activation_bytes_per_microbatch_checkpointed": sum(ckpt_saved[s] for s in owned),
             "inflight_microbatches": held_mb[r], "activation_bytes": held[r], "transient_bytes": transient,
             "gathered_bytes": mem.get("gathered", 0),
+            # one device's program (pp 1, whole-model trace): its peak of the values it makes, as
+            # the run's memory_report()["activations"]
+            "step_temporary_bytes": prof.step_temporary_bytes if layout.pp == 1 and prof.full else None,
             "peak_bytes": (mem["params"] + mem["grads"] + mem["opt_state"] + mem.get("gathered", 0) + held[r]
                            + transient),
             "comm_bytes": by_axis(rows_out), "comm": rows_out,
@@ -224,7 +239,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         rank_comm.append((rows_out, step_comm))
 
     hw_time = step_time(cfg, layout, hw, facts, stages, stage_comm, [c for _, c in rank_comm], tokens_mb,
-                         ep_bytes, input_bytes, dtype)
+                         ep_bytes, input_bytes, compute)
     b = max(range(len(ranks)), key=lambda i: ranks[i]["peak_bytes"])
     per_rank = {k: v for k, v in ranks[b].items() if k not in ("comm_bytes", "comm")}
     capacity = int(cfg.partition.memory_budget or hw.hbm_bytes)
@@ -242,7 +257,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
                      "pipeline collectives from per-layer traces of the stage mesh; gradient sums held unsharded "
                      "over fsdp until the step's reduction")
     return Plan(
-        model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(dtype), layout=layout,
+        model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(compute), layout=layout,
         batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
                "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len, "microbatch_rows": rows,
                "tokens_per_microbatch_per_rank": tokens_mb},
@@ -251,8 +266,25 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         fits=per_rank["peak_bytes"] <= capacity,
         trace={"mode": "full" if prof.full else "scaled", "mesh": dict(prof.axes), "rows": prof.rows,
                "lowered": [dict(t) for t in prof.traces], "seconds": round(prof.seconds, 3)},
-        notes=notes,
+        notes=notes, budgeted=bool(cfg.partition.memory_budget), precision=cfg.train.precision,
+        remat=cfg.train.remat,
     )
+
+
+def run_config(cfg, dtype: torch.dtype = torch.float32, checkpointing: bool | None = None):
+    """``cfg`` with the planner's ``--dtype`` / ``--checkpointing`` as the run's own keys:
+    ``bfloat16`` is ``train.precision=bf16``, checkpointing ``train.remat=full`` (False: ``none``).
+
+        run_config(cfg, torch.bfloat16, True).train.remat   # "full"
+    """
+    train = cfg.train
+    if dtype == torch.bfloat16:
+        train = dataclasses.replace(train, precision="bf16")
+    elif dtype != torch.float32:
+        raise PlanError("train.precision", f"cannot plan dtype {dtype}; use float32 or bfloat16")
+    if checkpointing is not None:
+        train = dataclasses.replace(train, remat="full" if checkpointing else "none")
+    return cfg if train is cfg.train else dataclasses.replace(cfg, train=train)
 
 
 def _exact_pipeline(model_cfg) -> bool:

@@ -75,6 +75,7 @@ class Profile:
     shared_comm: Comm
     full: bool
     traces: tuple                      # ({"layers": {...}, "seconds": s, "nodes": n}, ...)
+    step_temporary_bytes: int = 0      # a whole-model trace: its program's peak of values it makes
 
     @property
     def seconds(self) -> float:
@@ -260,7 +261,8 @@ def profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = tor
     if full:
         counts = dict(stacks)
         m, info = _trace(cfg, counts, axes, rows, dtype)
-        prof = Profile(axes, rows, (m.saved_bytes, m.mb_comm), {}, m.leaf_comm, counts, m.shared_comm, True, (info,))
+        prof = Profile(axes, rows, (m.saved_bytes, m.mb_comm), {}, m.leaf_comm, counts, m.shared_comm, True, (info,),
+                       m.peak_temporary_bytes)
     else:
         base_counts = {k: 1 for k, _ in stacks}
         base, info = _trace(cfg, base_counts, axes, rows, dtype)

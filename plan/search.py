@@ -168,7 +168,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
                         continue
                     skey = (layout.stages_per_rank, sched if layout.stages_per_rank > 1 else "")
                     if skey not in static_cache:
-                        static_cache[skey] = memory_bytes(cfg, layout, dtype=dtype)
+                        static_cache[skey] = memory_bytes(cfg, layout)  # fp32 master weights and state
                     peak, step = _lower_bounds(cfg, layout, hw, dtype, facts, static_cache[skey], fsdp_leaves)
                     if peak > capacity:
                         too_big.append({"layout": layout.describe(), "peak_bytes": peak, "bound": True})

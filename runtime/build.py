@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from shardfn.core.pytree import PyTree
+from shardfn.partition.remat import rematerialized
 from shardfn.runtime.param_source import full_tree
 from shardfn.runtime.step import Step, identity_state
-from shardfn.runtime.train_step import make_optimizer, make_train_step
+from shardfn.runtime.train_step import make_optimizer, make_train_step, precision_policy
 
 
 def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
@@ -48,13 +49,17 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
 
 def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
     """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors, ``torch.compile``'d when
-    ``train.compile`` is set. ``like`` gives the tree's shapes for a ``place`` from a source.
+    ``train.compile`` is set; ``train.precision`` its compute dtype, ``train.remat`` run as the
+    traced step rewritten by ``partition.remat``. ``like`` gives the tree's shapes for a ``place`` from a source.
 
     Example:
         step = device_step(cfg, llama, make_optimizer(cfg.train, llama))
     """
-    fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip")
-    if cfg.train.compile:
+    fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip",
+                         precision=precision_policy(cfg.train))
+    if cfg.train.remat != "none":  # the step's traced joint graph, rewritten by the remat pass
+        fn = rematerialized(fn, cfg.train.remat, backend="inductor" if cfg.train.compile else None)
+    elif cfg.train.compile:
         fn = torch.compile(fn)
 
     def place(params_or_source):

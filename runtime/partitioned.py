@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import torch
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
@@ -28,6 +29,7 @@ from shardfn.partition.layouts import (
     resolve_rules,
     state_specs,
 )
+from shardfn.partition.remat import remat_pass
 from shardfn.partition.spec import P
 from shardfn.runtime.step import Step, identity_state
 
@@ -37,17 +39,23 @@ def mesh_from_config(cfg, *, fake: bool = False) -> sf.Mesh:
     return sf.Mesh(mesh_axes(cfg.mesh.axes(), include_pp=False), fake=fake)
 
 
-def constrained(inner: optim.GradientTransformation, specs: Any) -> optim.GradientTransformation:
+def constrained(inner: optim.GradientTransformation, specs: Any,
+                reduce_dtype: torch.dtype | None = None) -> optim.GradientTransformation:
     """``inner`` with its incoming updates (the gradients) constrained to ``specs`` first.
 
     Under ``sf.jit`` this is where partial gradient sums are reduced: a reduce-scatter onto a
-    sharded parameter, an all-reduce onto a replicated one. Identity on one device.
+    sharded parameter, an all-reduce onto a replicated one, in ``reduce_dtype`` when it is given
+    and differs from a gradient's own (``train.reduce_dtype``). Identity on one device.
 
         opt = constrained(adamw(1e-3), param_specs)
     """
 
     def update(updates, state, params=None):
-        return inner.update(sf.constrain(updates, specs), state, params)
+        if reduce_dtype is None:
+            return inner.update(sf.constrain(updates, specs), state, params)
+        sent = tree_map(lambda g: g.to(reduce_dtype), updates)
+        reduced = tree_map(lambda r, g: r.to(g.dtype), sf.constrain(sent, specs), updates)
+        return inner.update(reduced, state, params)
 
     return optim.GradientTransformation(inner.init, update)
 
@@ -77,12 +85,15 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         step = mesh_step(cfg, llama, make_optimizer(cfg.train, llama), params, mesh_from_config(cfg))
         params, opt_state = step.place(params)
     """
-    from shardfn.runtime.train_step import make_train_step
+    from shardfn.runtime.train_step import make_train_step, precision_policy
 
     specs = layout(cfg, model, params, optimizer.init(params), mesh)
     skip = cfg.train.nonfinite == "skip"  # the torch.where over params and state is traced and partitioned too
-    train_step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"]), skip_nonfinite=skip,
-                                 experts=expert_region(model, cfg.model, mesh, specs))
+    policy = precision_policy(cfg.train)
+    reduce_dtype = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
+    train_step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"], reduce_dtype),
+                                 skip_nonfinite=skip, experts=expert_region(model, cfg.model, mesh, specs),
+                                 precision=policy)
     if backend == "default":
         backend = "inductor" if cfg.train.compile else None
     fsdp = (0,) if mesh.axes.get("fsdp", 1) > 1 else ()
@@ -95,6 +106,7 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
         reshard_after_forward=reshard_after_forward(cfg),
+        passes={"after_trace": [remat_pass(cfg.train.remat)]} if cfg.train.remat != "none" else None,
     )
     last: dict = {}
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from shardfn.core import _torch_private as private
 from shardfn.core import optim
+from shardfn.core.precision import with_policy
 from shardfn.core.pytree import PyTree, flatten_with_paths, tree_leaves
 from shardfn.partition import report
 from shardfn.partition.schedules import Schedule, add_communication, get_schedule, stages_per_rank
@@ -48,7 +49,7 @@ from shardfn.runtime.executor import RunResult, check_fit, run_schedule, split_m
 from shardfn.runtime.param_source import Source, as_source
 from shardfn.runtime.rank_layout import RankLayout, nest, stage_key
 from shardfn.runtime.step import Step
-from shardfn.runtime.train_step import keep_finite, make_optimizer, step_metrics
+from shardfn.runtime.train_step import keep_finite, make_optimizer, precision_policy, step_metrics
 
 OptimizerFactory = Callable[[Callable[[PyTree], torch.Tensor]], optim.GradientTransformation]
 """``norm -> optimizer``: the pipeline step hands in the norm over all stages for clipping."""
@@ -393,7 +394,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                        specs: dict | None = None, batch_axes: tuple[str, ...] | None = None,
                        reshard_after_forward: bool = False, compile: bool = False, record: bool = False,
                        model=None, model_cfg=None, experts=None, recorder=None, skip_nonfinite: bool = False,
-                       all_stages: bool = False, device=None) -> PipelineStep:
+                       all_stages: bool = False, device=None, remat: str = "none") -> PipelineStep:
     """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
 
     Args:
@@ -416,6 +417,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
             and ``recorder`` (what its loss counts tokens per expert into), or None.
         skip_nonfinite: a step whose loss or gradient norm is NaN/Inf keeps the incoming state.
         all_stages: build every stage's programs (planning one rank's view of all ranks).
+        remat: a ``partition.remat`` policy for every stage's joint (``train.remat``).
 
     Example:
         step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2, "fsdp": 2}),
@@ -451,7 +453,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                       torch.device("cpu")) if pipe.graph_module is not None else torch.device("cpu")
     built = range(pipe.n_stages) if all_stages else schedule.stages_of(pp_rank)
     programs = {s: lower_stage(pipe.stages[s], stage_mesh, all_specs, batch, gather_once=not reshard_after_forward,
-                               device=device) for s in built}
+                               device=device, remat=remat) for s in built}
     if compile:
         for s in schedule.stages_of(pp_rank):
             for part in (programs[s].stage.F, programs[s].stage.I, programs[s].stage.W):
@@ -519,13 +521,14 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     recorder = pipeline_experts.Recorder() if experts is not None else None
     loss_fn = pipeline_experts.stage_loss(model, cfg.model, recorder, stage_mesh if stage_mesh.size > 1 else None,
                                           batch)
+    loss_fn = with_policy(loss_fn, precision_policy(cfg.train))  # stages compute (and send) in its dtype
     with mesh_scope(stage_mesh if stage_mesh.size > 1 else None):
         pipe = build_pipeline(loss_fn, params, {"inputs": tokens, "targets": tokens}, sched.n_stages, split=())
     return make_pipeline_step(pipe, sched, mesh, lambda norm: make_optimizer(cfg.train, model, norm=norm),
                               specs=specs, batch_axes=data, reshard_after_forward=reshard_after_forward(cfg),
                               compile=cfg.train.compile, record=record, model=model, model_cfg=cfg.model,
                               experts=experts, recorder=recorder, skip_nonfinite=cfg.train.nonfinite == "skip",
-                              all_stages=all_stages, device=device)
+                              all_stages=all_stages, device=device, remat=cfg.train.remat)
 
 
 def pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from shardfn.core import optim
+from shardfn.core.precision import Policy, get_policy, with_policy
 from shardfn.core.pytree import PyTree, map_with_path, tree_map
 from shardfn.core.transforms import value_and_grad
 
@@ -74,7 +75,8 @@ def step_metrics(loss: torch.Tensor, grads: PyTree, opt_state: Any, *,
 
 
 def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *,
-                    skip_nonfinite: bool = False, experts: Callable | None = None) -> StepFn:
+                    skip_nonfinite: bool = False, experts: Callable | None = None,
+                    precision: Policy | None = None) -> StepFn:
     """The pure training step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     One call does the loss and its gradient (``model.loss_and_aux``), the optimizer update,
@@ -91,6 +93,9 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
             ``params`` and ``opt_state`` unchanged (:func:`keep_finite`; ``train.nonfinite=skip``).
         experts: how an MoE model's routed experts run (``model.loss_and_aux``'s ``experts``;
             a mesh step passes its per-rank region, ``runtime.partitioned.expert_region``).
+        precision: a ``core.precision.Policy``: the loss computes in its ``compute_dtype`` (the
+            parameters cast on the way in), the state and the gradients stay in the parameters'
+            dtype (None: as the parameters are).
 
     Returns:
         ``train_step``; its ``metrics`` are 0-d tensors: :func:`step_metrics`, the aux values that
@@ -100,8 +105,8 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
         step = make_train_step(llama, cfg.model, make_optimizer(cfg.train, llama))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
-    grad_fn = value_and_grad(lambda params, batch: model.loss_and_aux(params, batch, model_cfg, experts=experts),
-                             has_aux=True)
+    loss_fn = lambda params, batch: model.loss_and_aux(params, batch, model_cfg, experts=experts)  # noqa: E731
+    grad_fn = value_and_grad(with_policy(loss_fn, precision) if precision is not None else loss_fn, has_aux=True)
 
     def train_step(params, opt_state, batch):
         before = (params, opt_state)
@@ -131,3 +136,12 @@ def keep_finite(new: Any, old: Any, metrics: dict) -> Any:
     """
     ok = torch.isfinite(metrics["loss"]) & torch.isfinite(metrics["grad_norm"])
     return tree_map(lambda n, o: torch.where(ok, n, o), new, old)
+
+
+def precision_policy(train_cfg) -> Policy:
+    """The :class:`~shardfn.core.precision.Policy` of the ``train`` section (``precision``,
+    ``reduce_dtype``).
+
+        precision_policy(load_config(None, ["train.precision=bf16"]).train).compute_dtype  # bfloat16
+    """
+    return get_policy(train_cfg.precision, train_cfg.reduce_dtype)
