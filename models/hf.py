@@ -39,9 +39,26 @@ the routed experts' along a second, expert dim):
     mlp.gate.e_score_correction_bias                   moe_layers.router_bias [Lm, E]
     mlp.experts.{e}.{gate,up,down}_proj.weight         moe_layers.experts.w{1,3,2} [Lm, E, ..] .T, by layer, expert
     mlp.shared_experts.{gate,up,down}_proj.weight      moe_layers.shared.w{1,3,2}    .T
+  DeepSeek-V3 multi-token prediction (HF layers n_layers .. n_layers+K-1 -> mtp 0 .. K-1, K = mtp_depth):
+    enorm.weight, hnorm.weight                         mtp.enorm, mtp.hnorm [K, D]
+    eh_proj.weight                                     mtp.eh_proj [K, 2D, D]        .T
+    shared_head.norm.weight                            mtp.norm [K, D]
+    input_layernorm.weight, self_attn.*, mlp.*, ...    mtp.block.*                   as the MoE layers
+    embed_tokens.weight, shared_head.head.weight       (copies of embed and out)     written, never read
 
 ``<stack>`` is ``layers`` for Llama; for the MoE model it is ``dense_layers`` for HF layers
-``0 .. first_k_dense-1`` and ``moe_layers`` for the rest.
+``0 .. first_k_dense-1`` and ``moe_layers`` for the rest. The MTP modules use the main model's
+embedding and output head (DeepSeek-V3 shares them); HF stores a copy of each under every MTP
+layer, which :func:`save` writes (inference engines read them there) and :func:`from_hf` accepts
+without reading (2 x V x D values per depth that are the main model's).
+
+FP8: DeepSeek-V3's released weights are ``float8_e4m3fn`` with a float32 ``<key>_scale_inv``
+per 128 x 128 block (``[ceil(out / 128), ceil(in / 128)]``; ``quantization_config`` in
+``config.json``, :func:`hf_fp8_block`). They are dequantized as they are read,
+``float32(fp8[r, c]) * scale_inv[r // 128, c // 128]``, then cast to the asked ``dtype``; an FP8
+tensor without its scale is an error naming it. Read through :class:`SafetensorsDir`, a box
+reads only its rows and columns of each HF tensor (and of its grid of scales), through
+safetensors' ``get_slice``; the MLA rope rows, permuted within a head, are read by whole heads.
 
 RoPE: our layers use the "rotate half" convention (``core.layers.apply_rope``: dims ``i`` and
 ``i + d/2`` share frequency ``i``), which is HF Llama's own (its conversion script permuted
@@ -55,8 +72,8 @@ rotate-half attention gives the same result. ``rope_interleave=False`` (or that 
 
 Errors name the HF key: a tensor the model needs that no file holds, a tensor of the wrong shape
 (with the shape expected from the model config), and a tensor the model has no place for (such
-as DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*``, or FP8 ``weight_scale_inv``
-scales; ``ignore=`` takes glob patterns to skip). ``model.layers.*.self_attn.rotary_emb.inv_freq``
+as DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*`` when ``model.mtp_depth=0``;
+``ignore=`` takes glob patterns to skip). ``model.layers.*.self_attn.rotary_emb.inv_freq``
 buffers, found in older checkpoints, are always skipped. When ``config.json`` is present its
 sizes and RoPE are checked against the model config (:func:`check_hf_config`): ``rope_theta`` and
 the scaling are read from the top-level ``rope_theta`` / ``rope_scaling`` keys or from
@@ -81,11 +98,22 @@ from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
 from shardfn.models.hf_names import HFTensor
 
 __all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "hf_config",
-           "hf_rope", "INDEX_FILE"]
+           "hf_rope", "hf_fp8_block", "SafetensorsDir", "TensorSlice", "INDEX_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED = ("model.layers.*.self_attn.rotary_emb.inv_freq",)
 """HF keys that are buffers, not parameters: always skipped."""
+SCALE_SUFFIX = "_scale_inv"
+"""An FP8 tensor ``K``'s block scales are the tensor ``K + SCALE_SUFFIX``."""
+FP8_BLOCK = (128, 128)
+"""Rows and columns of the blocks that share one scale, when ``config.json`` does not say
+(``quantization_config.weight_block_size``; DeepSeek-V3's is ``[128, 128]``)."""
+AT_LEAST = ("num_nextn_predict_layers",)
+"""``config.json`` counts of extra layers a checkpoint may hold more of than the model config
+uses (fewer is a disagreement); their tensors are then refused by name unless ignored."""
+FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+                   if hasattr(torch, n))
+"""Dtypes that are dequantized with block scales at load."""
 
 
 def layout(model_name: str, cfg, *, rope_interleave: bool | None = None) -> list[HFTensor]:
@@ -126,9 +154,14 @@ def _deinterleave(w: torch.Tensor, rope: tuple[int, int, int], inverse: bool = F
     return heads.reshape(w.shape)
 
 
+def _stacked_dims(entry: HFTensor) -> int:
+    """How many leading dims of our leaf stack HF tensors (layers, experts); 0 for a copy."""
+    return 0 if entry.copy else (entry.layers is not None) + bool(entry.experts)
+
+
 def _hf_shape(entry: HFTensor, ours: Sequence[int]) -> tuple[int, ...]:
     """The shape of one HF tensor of ``entry``, given our stacked parameter's shape."""
-    shape = tuple(ours)[(entry.layers is not None) + bool(entry.experts):]
+    shape = tuple(ours)[_stacked_dims(entry):]
     return shape[::-1] if entry.transpose else shape
 
 
@@ -139,16 +172,26 @@ def _meta_params(model_name: str, cfg) -> PyTree:
 def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
             device: torch.device | str = "cpu", rope_interleave: bool | None = None,
             ignore: Iterable[str] = (), source: str = "the checkpoint",
-            regions: Mapping[str, tuple[slice, ...]] | None = None) -> PyTree:
+            regions: Mapping[str, tuple[slice, ...]] | None = None,
+            fp8_block: Sequence[int] | None = None) -> PyTree:
     """Our parameter tree from HF-named tensors (any mapping, e.g. :func:`read_dir`'s).
 
     With ``regions`` (``path -> tuple of slices`` of our full leaves) only those boxes are built,
     as a flat dict ``{path: tensor}``, and only the HF tensors of their layers and experts are
-    read: a pipeline rank reads its own stages' layers (``runtime.param_source``).
+    read: a pipeline rank reads its own stages' layers (``runtime.param_source``). When
+    ``tensors`` reads slices (:class:`SafetensorsDir`'s ``get_slice``), only the rows and
+    columns of the box are read from each of those tensors too (whole heads of rows for the
+    MLA rope rows, which are permuted within a head); any other mapping's tensors are sliced
+    after.
+
+    FP8 tensors (``float8_e4m3fn``, DeepSeek-V3's released weights) are dequantized with their
+    ``<key>_scale_inv`` (one float32 per ``fp8_block`` block, default 128 x 128, the last
+    block of a dim partial): ``weight[r, c] = float32(fp8[r, c]) * scale_inv[r // 128, c // 128]``,
+    then cast to ``dtype``.
 
     Raises:
         ValueError: naming the HF key of a missing tensor, one of the wrong shape (with the
-            expected shape), or one the model has no place for.
+            expected shape), one the model has no place for, or an FP8 tensor without its scale.
 
     Example:
         params = from_hf(safetensors.torch.load_file("model.safetensors"), "llama", cfg)
@@ -157,29 +200,19 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
     entries = layout(model_name, cfg, rope_interleave=rope_interleave)
     meta = _meta_params(model_name, cfg)
     shapes = {path: tuple(x.shape) for path, x in flatten_with_paths(meta)}
-    _check_keys(entries, set(tensors), model_name, cfg, [*SKIPPED, *ignore], source)
+    _check_keys(entries, tensors, model_name, cfg, [*SKIPPED, *ignore], source)
+    read = _Reader(tensors, tuple(fp8_block or FP8_BLOCK), dtype, source, model_name)
     flat = {}
     for entry in entries:
-        if regions is not None and entry.path not in regions:
+        if entry.copy or (regions is not None and entry.path not in regions):
             continue
-        want = _hf_shape(entry, shapes[entry.path])
         box = tuple(regions[entry.path]) if regions is not None else ()
-        keys, box, shape = _restrict(entry, box, shapes[entry.path])
-        parts = []
-        for key in keys:
-            x = tensors[key]
-            if tuple(x.shape) != want:
-                raise ValueError(f"{source}: {key} has shape {tuple(x.shape)}, but model {model_name!r} with this "
-                                 f"config needs {want} for {entry.path}; check the model.* sizes against the "
-                                 f"checkpoint's config.json")
-            if not x.is_floating_point():
-                raise ValueError(f"{source}: {key} has dtype {x.dtype}; parameters are floating point")
-            x = x.to(torch.float32)
-            if entry.rope is not None:
-                x = _deinterleave(x, entry.rope)
-            parts.append(x.t() if entry.transpose else x)
-        x = torch.stack(parts) if len(parts) > 1 or entry.layers is not None or entry.experts else parts[0]
-        flat[entry.path] = x.reshape(shape)[box].to(device=device, dtype=dtype).contiguous()
+        keys, lead, rest = _restrict(entry, box, shapes[entry.path])
+        want = _hf_shape(entry, shapes[entry.path])
+        out = torch.empty((len(keys), *_box_shape(entry, want, rest)), dtype=dtype, device=device)
+        for j, key in enumerate(keys):  # one HF tensor's part in memory at a time
+            out[j] = read(key, entry, want, rest)
+        flat[entry.path] = out.reshape(*lead, *out.shape[1:]) if _stacked_dims(entry) else out[0]
     if cfg.tie_embeddings and "lm_head.weight" in tensors:
         head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
         if not torch.equal(head.to(torch.float32), embed.to(torch.float32)):
@@ -194,28 +227,114 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
 
 
 def _restrict(entry: HFTensor, box: tuple[slice, ...], shape: Sequence[int]):
-    """The HF keys of the layers and experts ``box`` covers (in stacking order), the rest of
-    ``box`` (to slice after stacking) and the stacked shape of what those keys make."""
-    shape, box = list(shape), list(box) + [slice(None)] * (len(shape) - len(box))
-    layers, experts, dim = (None,), (None,), 0
+    """The HF keys of the layers and experts ``box`` covers (in stacking order), how many of
+    each (the leading dims of what they stack into), and the rest of ``box``: one slice per dim
+    of one HF tensor, in our orientation."""
+    box = list(box) + [slice(None)] * (len(shape) - len(box))
+    layers, experts, lead = (None,), (None,), []
     if entry.layers is not None:
-        layers = entry.layers[box[0]]
-        shape[0], dim = len(layers), 1
+        layers = entry.layers[box[len(lead)]]
+        lead.append(len(layers))
     if entry.experts:
-        experts = range(entry.experts)[box[dim]]
-        shape[dim], dim = len(experts), dim + 1
+        experts = range(entry.experts)[box[len(lead)]]
+        lead.append(len(experts))
     keys = [entry.key.format(i=i, e=e) for i in layers for e in experts]
-    return keys, tuple([slice(None)] * dim + box[dim:]), tuple(shape)
+    return keys, tuple(lead), tuple(box[len(lead):])
 
 
-def _check_keys(entries, present: set, model_name: str, cfg, ignore: list, source: str) -> None:
-    needed = [k for e in entries for k in e.keys()]
+def _box_shape(entry: HFTensor, want: tuple[int, ...], rest: tuple[slice, ...]) -> tuple[int, ...]:
+    """The shape of ``rest`` of one HF tensor of shape ``want``, in our orientation."""
+    ours = want[::-1] if entry.transpose else want
+    return tuple(len(range(n)[s]) for n, s in zip(ours, rest))
+
+
+def _open(tensors: Mapping, key: str):
+    """``key``'s tensor, or a view of it that reads only what is indexed (``get_slice``): either
+    way something with ``shape``, ``dtype`` and ``[index]``."""
+    get_slice = getattr(tensors, "get_slice", None)
+    return get_slice(key) if get_slice is not None else tensors[key]
+
+
+class _Reader:
+    """Reads one HF tensor's part of a box in our orientation: sliced, dequantized (FP8), rope
+    rows de-interleaved, transposed, cast to ``dtype``."""
+
+    def __init__(self, tensors: Mapping, fp8_block: tuple[int, ...], dtype: torch.dtype, source: str,
+                 model_name: str):
+        if len(fp8_block) != 2 or not all(isinstance(b, int) and b >= 1 for b in fp8_block):
+            raise ValueError(f"from_hf: fp8_block must be two positive ints (rows, columns), got {fp8_block!r}")
+        self.tensors, self.block, self.dtype = tensors, fp8_block, dtype
+        self.source, self.model_name = source, model_name
+
+    def __call__(self, key: str, entry: HFTensor, want: tuple[int, ...], rest: tuple[slice, ...]) -> torch.Tensor:
+        src = _open(self.tensors, key)
+        if tuple(src.shape) != want:
+            raise ValueError(f"{self.source}: {key} has shape {tuple(src.shape)}, but model {self.model_name!r} with "
+                             f"this config needs {want} for {entry.path}; check the model.* sizes against the "
+                             f"checkpoint's config.json")
+        if not src.dtype.is_floating_point:
+            raise ValueError(f"{self.source}: {key} has dtype {src.dtype}; parameters are floating point")
+        ours = want[::-1] if entry.transpose else want
+        spans = [range(n)[s] for n, s in zip(ours, rest)]
+        if any(len(r) == 0 for r in spans):
+            return torch.empty([len(r) for r in spans], dtype=self.dtype)
+        direct = all(r.step == 1 for r in spans)   # a strided box is read whole and sliced after
+        window = [(r.start, r.stop) if direct else (0, n) for r, n in zip(spans, ours)]
+        hf = window[::-1] if entry.transpose else list(window)
+        crop = None
+        if entry.rope is not None:  # the permutation stays within a head: read whole heads of rows
+            per_head, (a, b) = entry.rope[0], hf[0]
+            hf[0] = (a // per_head * per_head, -(-b // per_head) * per_head)
+            crop = slice(a - hf[0][0], b - hf[0][0])
+        x = self._read(key, src, hf, want)
+        if entry.rope is not None:
+            x = _deinterleave(x, entry.rope)[crop]
+        x = x.t() if entry.transpose else x
+        return (x if direct else x[rest]).to(self.dtype)
+
+    def _read(self, key: str, src, window: list[tuple[int, int]], shape: tuple[int, ...]) -> torch.Tensor:
+        """The HF box ``window`` (``(start, stop)`` per dim) of ``key``, dequantized to float32 when FP8."""
+        x = src[tuple(slice(a, b) for a, b in window)]
+        if x.dtype not in FP8_DTYPES:
+            return x
+        scale_key = key + SCALE_SUFFIX
+        if scale_key not in self.tensors:
+            raise ValueError(f"{self.source}: {key} is {x.dtype} but the checkpoint has no {scale_key} to dequantize "
+                             f"it with; an FP8 weight needs its block scales (or load a bf16 copy of the checkpoint)")
+        if x.dim() != 2:
+            raise ValueError(f"{self.source}: {key} is {x.dtype} with shape {shape}; only 2-D weights with a "
+                             f"[rows / {self.block[0]}, columns / {self.block[1]}] grid of scales are dequantized")
+        scales = _open(self.tensors, scale_key)
+        grid = tuple(-(-n // b) for n, b in zip(shape, self.block))
+        if tuple(scales.shape) != grid:
+            raise ValueError(f"{self.source}: {scale_key} has shape {tuple(scales.shape)}, but {key} {list(shape)} "
+                             f"in blocks of {list(self.block)} needs {grid}; check quantization_config."
+                             f"weight_block_size in config.json")
+        first = [a // b for (a, _), b in zip(window, self.block)]
+        s = scales[tuple(slice(f, -(-stop // b)) for f, (_, stop), b in zip(first, window, self.block))]
+        s = s.to(torch.float32)                                     # [row blocks, column blocks] of the window
+        for dim, ((a, stop), b, f) in enumerate(zip(window, self.block, first)):  # one scale per element
+            s = s.repeat_interleave(b, dim).narrow(dim, a - f * b, stop - a)
+        return x.to(torch.float32).mul_(s)
+
+
+def _check_keys(entries, tensors: Mapping, model_name: str, cfg, ignore: list, source: str) -> None:
+    present = set(tensors)
+    needed = [k for e in entries if not e.copy for k in e.keys()]
     missing = [k for k in needed if k not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: missing tensor {missing[0]}{more}, needed by model {model_name!r} with "
                          f"model.n_layers={cfg.n_layers}; check the model.* sizes against the checkpoint's config.json")
-    known = set(needed) | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    known = set(needed) | {k for e in entries if e.copy for k in e.keys()}
+    known |= {"lm_head.weight"} if cfg.tie_embeddings else set()
+    for scale in sorted(k for k in present - known if k.endswith(SCALE_SUFFIX) and k[:-len(SCALE_SUFFIX)] in known):
+        base = scale[:-len(SCALE_SUFFIX)]
+        base_dtype = _open(tensors, base).dtype
+        if base_dtype not in FP8_DTYPES:
+            raise ValueError(f"{source}: {scale} is a block scale for {base}, which is {base_dtype}, not FP8; remove "
+                             f"the scale or skip it with ignore=['{scale}']")
+        known.add(scale)
     extra = sorted(k for k in present - known if not any(fnmatch.fnmatchcase(k, p) for p in ignore))
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
@@ -224,19 +343,24 @@ def _check_keys(entries, present: set, model_name: str, cfg, ignore: list, sourc
 
 
 def _extra_hint(key: str, cfg) -> str:
-    if key.endswith("weight_scale_inv"):
-        return "; this is an FP8 checkpoint's scale: dequantize the weights to bf16 or fp32 first"
     if key.endswith(".bias"):
         return "; the models have no biases"
     parts = key.split(".")
-    if key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() and int(parts[2]) >= cfg.n_layers:
-        return (f"; its layer {parts[2]} is past model.n_layers={cfg.n_layers} (set model.n_layers, or skip "
-                f"extra layers such as a multi-token-prediction layer with ignore=['model.layers.{parts[2]}.*'])")
+    taken = cfg.n_layers + getattr(cfg, "mtp_depth", 0)
+    if key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() and int(parts[2]) >= taken:
+        depth = int(parts[2]) - cfg.n_layers + 1
+        mtp = f"; a multi-token-prediction layer loads with model.mtp_depth={depth}" if hasattr(cfg, "mtp_depth") \
+            else ""
+        return (f"; its layer {parts[2]} is past model.n_layers={cfg.n_layers}{mtp} (or set model.n_layers, or skip "
+                f"it with ignore=['model.layers.{parts[2]}.*'])")
+    if key.endswith(SCALE_SUFFIX):
+        return f"; it is the FP8 block scale of {key[:-len(SCALE_SUFFIX)]}, which the model has no place for either"
     return "; skip it with ignore=[pattern] if it is not a parameter"
 
 
 def to_hf(params: PyTree, model_name: str, cfg, *, rope_interleave: bool | None = None) -> dict[str, torch.Tensor]:
-    """HF-named tensors of our parameter tree (the inverse of :func:`from_hf`).
+    """HF-named tensors of our parameter tree (the inverse of :func:`from_hf`); the copies HF
+    keeps of a parameter (DeepSeek-V3's MTP embedding and head) are written too.
 
     Example:
         safetensors.torch.save_file(to_hf(params, "llama", cfg), "model.safetensors")
@@ -246,13 +370,14 @@ def to_hf(params: PyTree, model_name: str, cfg, *, rope_interleave: bool | None 
     for entry in layout(model_name, cfg, rope_interleave=rope_interleave):
         x = flat[entry.path].detach().cpu()
         shape = _hf_shape(entry, x.shape)
-        pieces = x.reshape(-1, *x.shape[(entry.layers is not None) + bool(entry.experts):])
+        pieces = x.reshape(-1, *(shape[::-1] if entry.transpose else shape))       # [HF tensors, ours per tensor]
+        pieces = [pieces[0]] * len(entry.keys()) if entry.copy else pieces
         for key, piece in zip(entry.keys(), pieces):
             piece = piece.t() if entry.transpose else piece
             if entry.rope is not None:
                 piece = _deinterleave(piece, entry.rope, inverse=True)
             assert tuple(piece.shape) == shape
-            out[key] = piece.contiguous()
+            out[key] = piece.clone(memory_format=torch.contiguous_format) if entry.copy else piece.contiguous()
     return out
 
 
@@ -290,6 +415,7 @@ class SafetensorsDir(Mapping):
             weight_map = None
         self._handles = {}
         self._where: dict[str, str] = {}
+        self.bytes_read = 0  # tensor bytes handed out so far (whole tensors and slices)
         for name in files:
             try:
                 handle = self._handles[name] = safe_open(str(d / name), framework="pt")
@@ -307,7 +433,21 @@ class SafetensorsDir(Mapping):
                     raise ValueError(f"{index} maps {key} to {name}, but {name} has no tensor {key}")
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return self._handles[self._where[key]].get_tensor(key)
+        x = self._handles[self._where[key]].get_tensor(key)
+        self.bytes_read += x.numel() * x.element_size()
+        return x
+
+    def get_slice(self, key: str) -> "TensorSlice":
+        """``key``'s tensor, not yet read: its ``shape`` and ``dtype`` come from the file header,
+        and ``[index]`` (one slice per dim) reads only that box.
+
+        Example:
+            part = read_dir("ckpt/").get_slice("model.embed_tokens.weight")[0:64, 128:256]
+        """
+        return TensorSlice(self, key, self._handles[self._where[key]].get_slice(key))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
 
     def __iter__(self):
         return iter(self._where)
@@ -326,6 +466,36 @@ class SafetensorsDir(Mapping):
             raise ValueError(f"{path}: not valid JSON: {e}") from None
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+"""The safetensors header's dtype names."""
+
+
+class TensorSlice:
+    """One tensor of a :class:`SafetensorsDir`, read only where indexed."""
+
+    def __init__(self, owner: SafetensorsDir, key: str, handle):
+        self._owner, self._key, self._handle = owner, key, handle
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._handle.get_shape())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        name = self._handle.get_dtype()
+        if name not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{self._owner.directory}: {self._key} has safetensors dtype {name}, which the loader "
+                             f"does not read ({', '.join(SAFETENSORS_DTYPES)})")
+        return SAFETENSORS_DTYPES[name]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        x = self._handle[index]
+        self._owner.bytes_read += x.numel() * x.element_size()
+        return x
+
+
 def read_dir(directory: str | os.PathLike) -> SafetensorsDir:
     """The HF tensors of ``directory`` as a lazy mapping ``{key: tensor}``.
 
@@ -339,8 +509,10 @@ def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dty
          device: torch.device | str = "cpu", rope_interleave: bool | None = None,
          ignore: Iterable[str] = (), regions: Mapping[str, tuple[slice, ...]] | None = None) -> PyTree:
     """Our parameter tree from an HF-format directory (``config.json`` checked when present);
-    with ``regions``, only those boxes of our leaves, reading only their layers' and experts'
-    tensors (:func:`from_hf`).
+    with ``regions``, only those boxes of our leaves, reading only their rows and columns of
+    their layers' and experts' tensors (:func:`from_hf`). FP8 block-quantized weights
+    (``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``)
+    are dequantized to ``dtype`` as they are read.
 
     Example:
         params = load("Llama-3-8B/", "llama", load_config("llama3_8b").model)
@@ -348,12 +520,45 @@ def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dty
     """
     tensors = read_dir(directory)
     hf_config = tensors.config()
+    block = None
     if hf_config is not None:
-        check_hf_config(hf_config, model_name, cfg, source=str(Path(directory) / "config.json"))
+        where = str(Path(directory) / "config.json")
+        check_hf_config(hf_config, model_name, cfg, source=where)
         if rope_interleave is None and "rope_interleave" in hf_config:
             rope_interleave = bool(hf_config["rope_interleave"])
+        block = hf_fp8_block(hf_config, source=where)
     return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
-                   ignore=ignore, source=str(directory), regions=regions)
+                   ignore=ignore, source=str(directory), regions=regions, fp8_block=block)
+
+
+def hf_fp8_block(hf: Mapping, *, source: str = "config.json") -> tuple[int, int] | None:
+    """The FP8 scale block ``(rows, columns)`` of a ``config.json``'s ``quantization_config``, or
+    None when it has none. Only block-wise FP8 (``quant_method: fp8``, ``fmt: e4m3``, as
+    DeepSeek-V3 publishes it) is read; its ``activation_scheme`` is about inference and ignored
+    here, since the weights are dequantized at load.
+
+    Raises:
+        ValueError: naming another quantization method or format, or a malformed block size.
+
+    Example:
+        hf_fp8_block({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})  # (128, 128)
+    """
+    q = hf.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, Mapping) or q.get("quant_method") != "fp8":
+        method = q.get("quant_method") if isinstance(q, Mapping) else q
+        raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not read; the loader dequantizes "
+                         f"block-wise FP8 weights (quant_method 'fp8') only: load a bf16 or fp32 copy instead")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"{source}: quantization_config.fmt {q['fmt']!r} is not read; the loader dequantizes "
+                         f"float8 e4m3 weights (fmt 'e4m3')")
+    block = q.get("weight_block_size", list(FP8_BLOCK))
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+        raise ValueError(f"{source}: quantization_config.weight_block_size must be two positive ints [rows, "
+                         f"columns], got {block!r}")
+    return int(block[0]), int(block[1])
 
 
 def save(directory: str | os.PathLike, params: PyTree, model_name: str, cfg, *,
@@ -508,7 +713,8 @@ def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.jso
               f"model.{ours}={_yaml(value)}" if ours != "head_dim" else None)
              for hf_key, ours in table.items() if hf_key in hf
              for value in [0 if hf_key == "q_lora_rank" and hf[hf_key] is None else hf[hf_key]]
-             if value is not None and not _same(value, getattr(cfg, ours))]
+             if value is not None and not _same(value, getattr(cfg, ours))
+             and not (hf_key in AT_LEAST and value > getattr(cfg, ours))]
     name = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
     wrong += _rope_disagreements(scaling, cfg.rope_scaling, name, source)
     if wrong:

@@ -22,6 +22,7 @@ class HFTensor(NamedTuple):
     experts: int = 0                 # > 0: also stacked over {e} in range(experts), our next dim
     transpose: bool = False          # HF [out, in] -> our [in, out]
     rope: tuple[int, int, int] | None = None  # (rows per head, first rope row, rope rows): de-interleave
+    copy: bool = False               # HF stores the whole parameter again under each key: written, never read
 
     def keys(self) -> list[str]:
         """The HF keys in stacking order (layer-major, then expert).

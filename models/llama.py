@@ -174,6 +174,15 @@ def stacks(cfg: Config) -> list[tuple[str, int]]:
     return [("layers", cfg.n_layers)]
 
 
+def pipeline_refusal(cfg: Config) -> tuple[str, str] | None:
+    """``(config key, why)`` when the model cannot be split into pipeline stages; never for llama.
+
+    Example:
+        pipeline_refusal(Config())  # None
+    """
+    return None
+
+
 def with_layers(cfg: Config, counts: dict) -> Config:
     """``cfg`` with ``counts["layers"]`` layers (a reduced model the planner traces).
 

@@ -29,9 +29,23 @@ ffn dim, ``Fs = n_shared_experts * Fe``; ``n``/``r``/``v`` the MLA nope/rope/val
     moe_layers.shared.{w1,w3}      [Lm, D, Fs]             (layers, embed, mlp);  w2 [Lm, Fs, D]
     norm                           [D]                     (norm,)
     out                            [D, V]                  (embed, vocab)  absent when tie_embeddings
+    mtp.{enorm,hnorm,norm}         [K, D]                  (layers, norm)  multi-token prediction, K = mtp_depth
+    mtp.eh_proj                    [K, 2D, D]              (layers, None, embed)
+    mtp.block.*                    [K, ...]                one MoE layer per depth, as moe_layers.*
 
-``dense_layers`` is absent when ``first_k_dense = 0`` and ``moe_layers.shared`` when
-``n_shared_experts = 0``. The wkv_a output dim (latent + shared rope key) has no logical axis.
+``dense_layers`` is absent when ``first_k_dense = 0``, ``moe_layers.shared`` when
+``n_shared_experts = 0`` and ``mtp`` when ``mtp_depth = 0`` (the default). The wkv_a output dim
+(latent + shared rope key) has no logical axis.
+
+Multi-token prediction (DeepSeek-V3, ``mtp_depth = K``): depth ``k`` projects
+``[enorm(Emb(t_{i+k})); hnorm(h^{k-1}_i)]`` with ``eh_proj``, runs its own MoE layer, and the
+main model's output head (after the depth's own ``norm``) predicts ``t_{i+k+1}``; the embedding
+and the head are the main model's. The loss adds ``mtp_loss_weight`` (DeepSeek-V3: 0.3 for its
+first 10T tokens, then 0.1) times the mean over depths of their cross-entropy
+(:func:`apply_with_mtp`, :func:`mtp_loss`). The weight is a model field, not a ``train`` key,
+because ``loss_and_aux(params, batch, cfg)`` is all a step calls and the model layer does not
+import the run config; override it as ``model.mtp_loss_weight=0.1``. :func:`apply` and
+:func:`apply_with_aux` skip the MTP modules, as inference does.
 RoPE may be scaled (``rope_scaling``: ``yarn`` as DeepSeek-V3 and Kimi-K2 publish it, or
 ``llama3``; see ``core.layers.RopeScaling``). With ``yarn`` the MLA softmax scale is multiplied by
 ``yarn_mscale(factor, mscale_all_dim) ** 2`` as in DeepSeek-V3's attention; GQA attention gets the
@@ -112,6 +126,9 @@ class Config:
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # multi-token prediction (DeepSeek-V3): depth k predicts the token k+1 ahead (0: none)
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3  # lambda: the loss adds lambda * the mean over depths of their cross-entropy
 
     @property
     def n_moe_layers(self) -> int:
@@ -149,7 +166,7 @@ class Config:
                   f"grouped expert GEMM); try {getattr(self, key) + (-getattr(self, key)) % GROUPED_MM_MULTIPLE}")
         for key in ("rope_theta", "norm_eps", "init_std", "route_scale"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("aux_loss_alpha", "bias_update_rate", "capacity_factor"):
+        for key in ("aux_loss_alpha", "bias_update_rate", "capacity_factor", "mtp_depth", "mtp_loss_weight"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
     def _check_gqa(self):
@@ -260,6 +277,11 @@ def param_table(cfg: Config) -> PyTree:
     table["norm"] = ones((D,), ("norm",))
     if not cfg.tie_embeddings:
         table["out"] = normal((D, V), ("embed", "vocab"), std)
+    if cfg.mtp_depth:
+        table["mtp"] = stacked(cfg.mtp_depth, {
+            "enorm": ones((D,), ("norm",)), "hnorm": ones((D,), ("norm",)),
+            "eh_proj": normal((2 * D, D), (None, "embed"), std),
+            "block": layer(_moe_table(cfg)), "norm": ones((D,), ("norm",))})
     return table
 
 
@@ -289,7 +311,8 @@ def param_counts(cfg: Config) -> dict[str, int]:
 
     ``active`` counts what one token touches: every non-expert parameter (embedding and output
     head both, attention, norms, routers, dense and shared FFNs) plus ``top_k`` of the
-    ``n_experts`` routed experts in each MoE layer.
+    ``n_experts`` routed experts in each MoE layer. Both count the multi-token-prediction
+    modules (``mtp_depth``) too, whose embedding and head are the main model's, counted once.
 
     Example:
         param_counts(deepseek_v3)  # {"total": ~671e9, "active": ~37.5e9}
@@ -297,23 +320,40 @@ def param_counts(cfg: Config) -> dict[str, int]:
     table = param_table(cfg)
     total = count_params(table)
     routed = count_params(table["moe_layers"]["experts"])
+    if cfg.mtp_depth:
+        routed += count_params(table["mtp"]["block"]["experts"])
     return {"total": total, "active": total - routed + routed * cfg.top_k // cfg.n_experts}
 
 
 # ----------------------------------------------------------------------------- facts for the layers above
 
 
-FROZEN = ("moe_layers.router_bias",)
+FROZEN = ("moe_layers.router_bias", "mtp.block.router_bias")
 """Parameters the optimizer leaves alone: the routers' selection bias moves by :func:`aux_update`."""
 
 
 def stacks(cfg: Config) -> list[tuple[str, int]]:
     """The stacked-layer subtrees, in network order, with their layer counts (empty ones left out).
+    The multi-token-prediction modules (``mtp``, stacked over depth) are not in this sequence:
+    they branch off the main model's last hidden state.
 
     Example:
         stacks(Config())  # [("dense_layers", 1), ("moe_layers", 2)]
     """
     return [(k, n) for k, n in (("dense_layers", cfg.first_k_dense), ("moe_layers", cfg.n_moe_layers)) if n > 0]
+
+
+def pipeline_refusal(cfg: Config) -> tuple[str, str] | None:
+    """``(config key, why)`` when the model cannot be split into pipeline stages yet, else None:
+    the multi-token-prediction modules branch off the last hidden state and reuse the embedding.
+
+    Example:
+        pipeline_refusal(Config(mtp_depth=1))[0]  # "model.mtp_depth"
+    """
+    if cfg.mtp_depth:
+        return ("model.mtp_depth", f"{cfg.mtp_depth}: the multi-token-prediction modules do not run in pipeline "
+                                   f"stages yet; set model.mtp_depth=0 or mesh.pp=1")
+    return None
 
 
 def with_layers(cfg: Config, counts: dict) -> Config:
@@ -373,22 +413,33 @@ def aux_update(params: PyTree, aux: dict, cfg: Config) -> PyTree:
         params = aux_update(params, aux, cfg)   # aux from loss_and_aux
     """
     layers = params.get("moe_layers", {}) if isinstance(params, dict) else {}
-    if "router_bias" not in layers:
-        return params
-    bias = moe.update_expert_bias(layers["router_bias"], aux["expert_counts"], cfg.bias_update_rate)
-    return {**params, "moe_layers": {**layers, "router_bias": bias}}
+    if "router_bias" in layers:
+        bias = moe.update_expert_bias(layers["router_bias"], aux["expert_counts"], cfg.bias_update_rate)
+        params = {**params, "moe_layers": {**layers, "router_bias": bias}}
+    mtp = params.get("mtp", {}) if isinstance(params, dict) else {}
+    if "router_bias" in mtp.get("block", {}) and "mtp_expert_counts" in aux:
+        bias = moe.update_expert_bias(mtp["block"]["router_bias"], aux["mtp_expert_counts"], cfg.bias_update_rate)
+        params = {**params, "mtp": {**mtp, "block": {**mtp["block"], "router_bias": bias}}}
+    return params
 
 
 def aux_metrics(aux: dict) -> dict[str, torch.Tensor]:
     """Per MoE layer ``i``, ``expert_load_max_over_mean/i``: the most-loaded expert's tokens over
-    the mean, from ``aux["expert_counts"]`` ``[n_moe_layers, n_experts]``.
+    the mean, from ``aux["expert_counts"]`` ``[n_moe_layers, n_experts]``; per MTP depth ``k``
+    (``aux["mtp_expert_counts"]``), ``expert_load_max_over_mean/mtp{k}``.
 
     Example:
         aux_metrics({"expert_counts": torch.tensor([[4, 0, 2, 2]])})  # {"expert_load_max_over_mean/0": tensor(2.)}
     """
-    counts = aux["expert_counts"].to(torch.float32)
-    load = counts.amax(-1) / counts.mean(-1).clamp_min(1.0)
-    return {f"expert_load_max_over_mean/{i}": load[i] for i in range(load.shape[0])}
+    out = {}
+    for key, name in (("expert_counts", "{i}"), ("mtp_expert_counts", "mtp{i}")):
+        if key not in aux:
+            continue
+        counts = aux[key].to(torch.float32)
+        load = counts.amax(-1) / counts.mean(-1).clamp_min(1.0)
+        out.update({"expert_load_max_over_mean/" + name.format(i=i + (key != "expert_counts")): load[i]
+                    for i in range(load.shape[0])})
+    return out
 
 
 HF_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
@@ -418,7 +469,8 @@ def _hf_mla(stack: str, layers: tuple[int, ...], cfg: Config, rope_interleave: b
 
 def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTensor]:
     """Every parameter and the HF tensors it is made of (see ``models.hf``). HF layers
-    ``0 .. first_k_dense-1`` are ``dense_layers``, the rest ``moe_layers``.
+    ``0 .. first_k_dense-1`` are ``dense_layers``, the rest ``moe_layers``, and layers
+    ``n_layers .. n_layers+mtp_depth-1`` the multi-token-prediction modules (``mtp``).
 
     ``rope_interleave`` (MLA; default True, as HF DeepSeek-V3): the q/k rope rows are stored
     interleaved and are permuted once at load to our rotate-half layout.
@@ -427,7 +479,6 @@ def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTe
         [t.path for t in hf_tensors(Config())][-1]  # 'moe_layers.shared.w2'
     """
     interleave = True if rope_interleave is None else rope_interleave
-    mlp = "model.layers.{i}.mlp"
 
     def stack(name: str, layers: tuple[int, ...]) -> list[HFTensor]:
         attn = (hf_names.gqa_attention(name, layers) if cfg.attention == "gqa"
@@ -437,14 +488,34 @@ def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTe
     out = hf_names.outer(cfg.tie_embeddings)
     dense, routed = tuple(range(cfg.first_k_dense)), tuple(range(cfg.first_k_dense, cfg.n_layers))
     if dense:
-        out += stack("dense_layers", dense) + hf_names.swiglu("dense_layers.mlp", mlp, dense)
-    out += stack("moe_layers", routed) + [
-        hf_names.linear("moe_layers.router", f"{mlp}.gate.weight", routed),
-        HFTensor("moe_layers.router_bias", f"{mlp}.gate.e_score_correction_bias", routed),
-    ] + hf_names.swiglu("moe_layers.experts", f"{mlp}.experts.{{e}}", routed, cfg.n_experts)
-    if cfg.n_shared_experts:
-        out += hf_names.swiglu("moe_layers.shared", f"{mlp}.shared_experts", routed)
+        out += stack("dense_layers", dense) + hf_names.swiglu("dense_layers.mlp", "model.layers.{i}.mlp", dense)
+    out += stack("moe_layers", routed) + _hf_moe_ffn("moe_layers", routed, cfg)
+    if cfg.mtp_depth:
+        depths = tuple(range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth))
+        out += _hf_mtp(depths, cfg) + stack("mtp.block", depths) + _hf_moe_ffn("mtp.block", depths, cfg)
     return out
+
+
+def _hf_moe_ffn(stack: str, layers: tuple[int, ...], cfg: Config) -> list[HFTensor]:
+    mlp = "model.layers.{i}.mlp"
+    out = [hf_names.linear(f"{stack}.router", f"{mlp}.gate.weight", layers),
+           HFTensor(f"{stack}.router_bias", f"{mlp}.gate.e_score_correction_bias", layers)]
+    out += hf_names.swiglu(f"{stack}.experts", f"{mlp}.experts.{{e}}", layers, cfg.n_experts)
+    if cfg.n_shared_experts:
+        out += hf_names.swiglu(f"{stack}.shared", f"{mlp}.shared_experts", layers)
+    return out
+
+
+def _hf_mtp(layers: tuple[int, ...], cfg: Config) -> list[HFTensor]:
+    """The MTP modules' own tensors, and the copies HF keeps of the shared embedding and head
+    (written by ``models.hf.save``, never read: the modules use the main model's)."""
+    k = "model.layers.{i}"
+    head = (HFTensor("embed", f"{k}.shared_head.head.weight", layers, copy=True) if cfg.tie_embeddings
+            else hf_names.linear("out", f"{k}.shared_head.head.weight", layers, copy=True))
+    return [HFTensor("mtp.enorm", f"{k}.enorm.weight", layers), HFTensor("mtp.hnorm", f"{k}.hnorm.weight", layers),
+            hf_names.linear("mtp.eh_proj", f"{k}.eh_proj.weight", layers),
+            HFTensor("mtp.norm", f"{k}.shared_head.norm.weight", layers),
+            HFTensor("embed", f"{k}.embed_tokens.weight", layers, copy=True), head]
 
 
 def hf_config_keys(cfg: Config) -> dict[str, str]:
@@ -454,7 +525,8 @@ def hf_config_keys(cfg: Config) -> dict[str, str]:
             "qk_rope_head_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim", "n_routed_experts": "n_experts",
             "num_experts_per_tok": "top_k", "n_shared_experts": "n_shared_experts",
             "moe_intermediate_size": "expert_ffn_dim", "scoring_func": "score_func", "n_group": "n_groups",
-            "topk_group": "topk_groups", "routed_scaling_factor": "route_scale", "norm_topk_prob": "norm_topk_prob"}
+            "topk_group": "topk_groups", "routed_scaling_factor": "route_scale", "norm_topk_prob": "norm_topk_prob",
+            "num_nextn_predict_layers": "mtp_depth"}
     return {**keys, **hf_names.GQA_CONFIG_KEYS} if cfg.attention == "gqa" else keys
 
 
@@ -484,13 +556,8 @@ def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, experts=None) -
     return h + y, aux                                                            # [B, S, D]
 
 
-def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
-    """Logits ``[B, S, vocab]`` and ``aux``: ``expert_counts`` ``[n_moe_layers, E]`` int64 and
-    ``balance_loss`` (0-d, the sum over layers, already times ``aux_loss_alpha``).
-
-    Example:
-        logits, aux = apply_with_aux(params, tokens, cfg)
-    """
+def _hidden(params: PyTree, tokens: torch.Tensor, cfg: Config, experts=None):
+    """The main model's final-normed hidden state ``[B, S, D]``, the RoPE tables and ``aux``."""
     h = L.embedding(params["embed"], tokens)                                      # [B, S, D]
     cos, sin = L.rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, scaling=cfg.rope_scaling,
                              device=h.device, dtype=h.dtype)
@@ -504,9 +571,77 @@ def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts
         counts.append(aux["expert_counts"])
         balance.append(aux["balance_loss"])
     h = L.rms_norm(h, params["norm"], cfg.norm_eps)
-    out = params["embed"].t() if cfg.tie_embeddings else params["out"]
     aux = {"expert_counts": torch.stack(counts), "balance_loss": torch.stack(balance).sum()}
-    return L.linear(h, out), aux                                                  # [B, S, V]
+    return h, cos, sin, aux
+
+
+def _head(params: PyTree, cfg: Config) -> torch.Tensor:
+    return params["embed"].t() if cfg.tie_embeddings else params["out"]          # [D, V]
+
+
+def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
+    """Logits ``[B, S, vocab]`` and ``aux``: ``expert_counts`` ``[n_moe_layers, E]`` int64 and
+    ``balance_loss`` (0-d, the sum over layers, already times ``aux_loss_alpha``). The
+    multi-token-prediction modules do not run (:func:`apply_with_mtp` runs them).
+
+    Example:
+        logits, aux = apply_with_aux(params, tokens, cfg)
+    """
+    h, _, _, aux = _hidden(params, tokens, cfg, experts)
+    return L.linear(h, _head(params, cfg)), aux                                   # [B, S, V]
+
+
+def mtp_block(p: PyTree, h: torch.Tensor, emb: torch.Tensor, cos, sin, cfg: Config,
+              experts=None) -> tuple[torch.Tensor, dict]:
+    """One multi-token-prediction module (DeepSeek-V3): ``eh_proj [enorm(emb); hnorm(h)]``, then
+    one MoE layer. ``p`` is a slice of ``params["mtp"]``; ``h`` ``[B, S', D]`` the previous
+    depth's hidden state, ``emb`` ``[B, S', D]`` the embeddings of the tokens ``k`` ahead.
+    Returns ``(h_k, aux)``, ``h_k`` ``[B, S', D]`` before the module's ``norm``.
+
+    Example:
+        h1, aux = mtp_block(tree_map(lambda w: w[0], params["mtp"]), h[:, :-1], emb, cos, sin, cfg)
+    """
+    x = torch.cat([L.rms_norm(emb, p["enorm"], cfg.norm_eps), L.rms_norm(h, p["hnorm"], cfg.norm_eps)], -1)
+    return moe_block(p["block"], L.linear(x, p["eh_proj"]), cos, sin, cfg, experts)   # [B, S', 2D] -> [B, S', D]
+
+
+def apply_with_mtp(params: PyTree, tokens: torch.Tensor, cfg: Config, *,
+                   experts=None) -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+    """Main logits ``[B, S, V]``, the logits of each multi-token-prediction depth ``k = 1 ..
+    mtp_depth`` (``[B, S-k, V]``: position ``i`` predicts token ``i+k+1``) and ``aux``
+    (:func:`apply_with_aux`'s, with ``mtp_expert_counts`` ``[mtp_depth, E]`` and the MTP
+    layers' balance loss added to ``balance_loss``).
+
+    Depth ``k`` combines position ``i``'s hidden state of depth ``k-1`` with the embedding of
+    token ``i+k`` (``tokens[:, k:]``), so it covers the ``S-k`` positions whose token ``i+k`` is
+    an input. Depth 1 starts from the main model's final-normed hidden state (the state
+    DeepSeek-V3's MTP weights are served and trained on in vLLM, SGLang and Megatron-LM); depth
+    ``k+1`` from depth ``k``'s block output, before the module's ``norm`` (the report's
+    ``h^k``). Every depth predicts with the main model's embedding and output head.
+
+    Example:
+        logits, mtp_logits, aux = apply_with_mtp(params, tokens, Config(mtp_depth=1))
+        mtp_logits[0].shape  # [B, S - 1, vocab]
+    """
+    if cfg.mtp_depth >= tokens.shape[1]:
+        raise ValueError(f"model.mtp_depth={cfg.mtp_depth} needs sequences longer than {cfg.mtp_depth} tokens "
+                         f"(depth k predicts token i+k+1 from token i+k), got {tokens.shape[1]}; raise "
+                         f"train.seq_len or lower model.mtp_depth")
+    h, cos, sin, aux = _hidden(params, tokens, cfg, experts)
+    head = _head(params, cfg)
+    logits, depths, counts, balance = L.linear(h, head), [], [], [aux["balance_loss"]]
+    for k in range(1, cfg.mtp_depth + 1):
+        n = tokens.shape[1] - k
+        with torch.profiler.record_function(f"shardfn.mtp.{k}"):
+            p = tree_map(lambda w: w[k - 1], params["mtp"])
+            emb = L.embedding(params["embed"], tokens[:, k:])                        # [B, S-k, D]: tokens i+k
+            h, mtp_aux = mtp_block(p, h[:, :n], emb, cos[:n], sin[:n], cfg, experts)
+            depths.append(L.linear(L.rms_norm(h, p["norm"], cfg.norm_eps), head))  # [B, S-k, V]
+        counts.append(mtp_aux["expert_counts"])
+        balance.append(mtp_aux["balance_loss"])
+    if counts:
+        aux = {**aux, "mtp_expert_counts": torch.stack(counts), "balance_loss": torch.stack(balance).sum()}
+    return logits, depths, aux
 
 
 def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -518,21 +653,41 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     return apply_with_aux(params, tokens, cfg)[0]
 
 
+def mtp_loss(depths: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """The mean over depths of each depth's mean cross-entropy: depth ``k``'s logits ``[B, S-k, V]``
+    against ``targets[:, k:]`` (``targets`` ``[B, S]`` are the next tokens of the inputs).
+    DeepSeek-V3 writes each depth's sum over its ``S-k`` positions divided by ``S``; here it is
+    their mean, as Megatron-LM computes it.
+
+    Example:
+        mtp_loss([torch.zeros(2, 15, 256)], torch.zeros(2, 16, dtype=torch.long))  # log(256)
+    """
+    return torch.stack([cross_entropy(x, targets[:, k:]) for k, x in enumerate(depths, 1)]).mean()
+
+
 def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
-    """Training loss (mean cross-entropy + balance loss) and ``aux``.
+    """Training loss (mean cross-entropy + balance loss, + ``mtp_loss_weight`` times the
+    multi-token-prediction loss when ``mtp_depth > 0``) and ``aux``.
 
     ``aux``: ``expert_counts`` ``[n_moe_layers, n_experts]`` (tokens routed to each expert; feed
     it to ``core.moe.update_expert_bias`` for ``moe_layers.router_bias``), ``balance_loss`` and
-    ``ce_loss`` (0-d). ``experts``: how the routed experts run, ``(x, indices, weights, w1, w2,
-    w3) -> y`` (None: on this device, ``core.moe.routed_experts``); a layout passes its per-rank
-    region (expert parallelism) here, and the model code does not change.
+    ``ce_loss`` (0-d); with MTP also ``mtp_loss`` (0-d, :func:`mtp_loss`, before the weight) and
+    ``mtp_expert_counts`` ``[mtp_depth, n_experts]``. ``experts``: how the routed experts run,
+    ``(x, indices, weights, w1, w2, w3) -> y`` (None: on this device,
+    ``core.moe.routed_experts``); a layout passes its per-rank region (expert parallelism)
+    here, and the model code does not change.
 
     Example:
         (value, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
     """
-    logits, aux = apply_with_aux(params, batch["inputs"], cfg, experts=experts)
-    ce = cross_entropy(logits, batch["targets"])
-    return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
+    if not cfg.mtp_depth:
+        logits, aux = apply_with_aux(params, batch["inputs"], cfg, experts=experts)
+        ce = cross_entropy(logits, batch["targets"])
+        return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
+    logits, depths, aux = apply_with_mtp(params, batch["inputs"], cfg, experts=experts)
+    ce, mtp = cross_entropy(logits, batch["targets"]), mtp_loss(depths, batch["targets"])
+    value = ce + aux["balance_loss"] + cfg.mtp_loss_weight * mtp
+    return value, {**aux, "ce_loss": ce.detach(), "mtp_loss": mtp.detach()}
 
 
 def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:

@@ -233,6 +233,9 @@ def check_run(model, cfg) -> None:
         raise LayoutError("rules.layers", f"{rules['layers']!r}: pipeline stages split the layers over mesh.pp; "
                                           f"set rules.layers=null")
     n_stages = None
+    refusal = model.pipeline_refusal(cfg.model) if pp > 1 else None
+    if refusal is not None:
+        raise LayoutError(*refusal)
     if pp > 1:
         try:
             n_stages = get_schedule(p.schedule, pp, p.microbatches, stages_per_rank(p.schedule, pp, p.stages)).n_stages

@@ -1,5 +1,6 @@
 """Hugging Face safetensors import (models/hf.py): against hand-named tensors and HF-convention forwards."""
 
+import dataclasses
 import json
 import math
 
@@ -91,6 +92,16 @@ def deepseek_hf_tensors(cfg, seed=0):
                 m + "shared_experts.down_proj.weight": _rand(g, D, Fs),
             }
         )
+    for i in range(cfg.n_layers, cfg.n_layers + getattr(cfg, "mtp_depth", 0)):
+        # DeepSeek-V3's multi-token-prediction layer: its own projection and norms, copies of the
+        # embedding and head, and a full MoE decoder layer's tensors under the same prefix
+        p = f"model.layers.{i}."
+        sd.update({p + "enorm.weight": 1 + _rand(g, D), p + "hnorm.weight": 1 + _rand(g, D),
+                   p + "eh_proj.weight": _rand(g, D, 2 * D), p + "shared_head.norm.weight": 1 + _rand(g, D),
+                   p + "embed_tokens.weight": sd["model.embed_tokens.weight"].clone(),
+                   p + "shared_head.head.weight": sd["lm_head.weight"].clone()})
+        layer = deepseek_hf_tensors(dataclasses.replace(cfg, n_layers=i + 1, mtp_depth=0), seed=seed + 1 + i)
+        sd.update({k: v for k, v in layer.items() if k.startswith(p)})
     return sd
 
 
@@ -190,47 +201,71 @@ def _interleaved_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-def hf_deepseek_logits(sd, tokens, cfg, rope_scaling=None, latent_eps=1e-6):
+def _deepseek_layer(sd, i, h, cos, sin, cfg, softmax_scale, latent_eps):
+    """HF DeepSeek-V3 decoder layer ``i`` on ``h`` [B, S, D]: MLA, then a dense MLP or the MoE."""
+    B, S, _ = h.shape
+    H, n, r, vd = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    x = _norm(h, sd[f"model.layers.{i}.input_layernorm.weight"], cfg.norm_eps)
+    if cfg.q_lora_rank:
+        q = F.linear(_norm(F.linear(x, sd[a + "q_a_proj.weight"]), sd[a + "q_a_layernorm.weight"], latent_eps),
+                     sd[a + "q_b_proj.weight"])
+    else:
+        q = F.linear(x, sd[a + "q_proj.weight"])
+    q_pass, q_rot = q.view(B, S, H, n + r).transpose(1, 2).split([n, r], dim=-1)
+    k_pass, k_rot = F.linear(x, sd[a + "kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, r], dim=-1)
+    kv = F.linear(_norm(k_pass, sd[a + "kv_a_layernorm.weight"], latent_eps), sd[a + "kv_b_proj.weight"])
+    k_pass, value = kv.view(B, S, H, n + vd).transpose(1, 2).split([n, vd], dim=-1)
+    q_rot, k_rot = _interleaved_rope(q_rot, cos, sin), _interleaved_rope(k_rot.view(B, 1, S, r), cos, sin)
+    q, k = torch.cat([q_pass, q_rot], -1), torch.cat([k_pass, k_rot.expand(B, H, S, r)], -1)
+    o = _softmax_attention(q, k, value, softmax_scale).transpose(1, 2).reshape(B, S, H * vd)
+    h = h + F.linear(o, sd[a + "o_proj.weight"])
+    x = _norm(h, sd[f"model.layers.{i}.post_attention_layernorm.weight"], cfg.norm_eps)
+    if i < cfg.first_k_dense:
+        return h + _swiglu(x, sd, m)
+    flat = x.reshape(B * S, -1)
+    scores = F.linear(flat, sd[m + "gate.weight"]).sigmoid()
+    idx = (scores + sd[m + "gate.e_score_correction_bias"]).topk(cfg.top_k, dim=-1).indices
+    w = scores.gather(1, idx)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.route_scale
+    y = _swiglu(flat, sd, m + "shared_experts.")
+    for e in range(cfg.n_experts):
+        y = y + ((idx == e) * w).sum(-1, keepdim=True) * _swiglu(flat, sd, f"{m}experts.{e}.")
+    return h + y.view(B, S, -1)
+
+
+def hf_deepseek_logits(sd, tokens, cfg, rope_scaling=None, latent_eps=1e-6, *, mtp=False):
     """HF DeepseekV3ForCausalLM's math: MLA with interleaved rope, sigmoid router + bias. ``rope_scaling``:
     None or config.json's yarn dict (scaled tables, softmax scale times mscale(factor, mscale_all_dim)^2);
-    the latent norms (q_a_layernorm, kv_a_layernorm) use ``latent_eps``, DeepSeek's RMSNorm default."""
-    B, S = tokens.shape
-    H, n, r, vd = cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    the latent norms (q_a_layernorm, kv_a_layernorm) use ``latent_eps``, DeepSeek's RMSNorm default.
+
+    ``mtp``: also the logits of DeepSeek-V3's multi-token-prediction layers ``n_layers + k - 1`` (as
+    vLLM and Megatron-LM run them): eh_proj of [enorm(embedding of token i+k); hnorm(hidden)], one
+    decoder layer, shared_head.norm then shared_head.head; depth 1's hidden is the main model's
+    after model.norm, depth k+1's is depth k's layer output. Returns ``(logits, [depth logits])``."""
+    S = tokens.shape[1]
+    n, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     cos, sin = _rope(S, r, cfg.rope_theta, rope_scaling)
     softmax_scale = (n + r) ** -0.5
     if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
         softmax_scale *= _mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"]) ** 2
     h = sd["model.embed_tokens.weight"][tokens]
     for i in range(cfg.n_layers):
-        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-        x = _norm(h, sd[f"model.layers.{i}.input_layernorm.weight"], cfg.norm_eps)
-        if cfg.q_lora_rank:
-            q = F.linear(_norm(F.linear(x, sd[a + "q_a_proj.weight"]), sd[a + "q_a_layernorm.weight"], latent_eps),
-                         sd[a + "q_b_proj.weight"])
-        else:
-            q = F.linear(x, sd[a + "q_proj.weight"])
-        q_pass, q_rot = q.view(B, S, H, n + r).transpose(1, 2).split([n, r], dim=-1)
-        k_pass, k_rot = F.linear(x, sd[a + "kv_a_proj_with_mqa.weight"]).split([cfg.kv_lora_rank, r], dim=-1)
-        kv = F.linear(_norm(k_pass, sd[a + "kv_a_layernorm.weight"], latent_eps), sd[a + "kv_b_proj.weight"])
-        k_pass, value = kv.view(B, S, H, n + vd).transpose(1, 2).split([n, vd], dim=-1)
-        q_rot, k_rot = _interleaved_rope(q_rot, cos, sin), _interleaved_rope(k_rot.view(B, 1, S, r), cos, sin)
-        q, k = torch.cat([q_pass, q_rot], -1), torch.cat([k_pass, k_rot.expand(B, H, S, r)], -1)
-        o = _softmax_attention(q, k, value, softmax_scale).transpose(1, 2).reshape(B, S, H * vd)
-        h = h + F.linear(o, sd[a + "o_proj.weight"])
-        x = _norm(h, sd[f"model.layers.{i}.post_attention_layernorm.weight"], cfg.norm_eps)
-        if i < cfg.first_k_dense:
-            h = h + _swiglu(x, sd, m)
-            continue
-        flat = x.reshape(B * S, -1)
-        scores = F.linear(flat, sd[m + "gate.weight"]).sigmoid()
-        idx = (scores + sd[m + "gate.e_score_correction_bias"]).topk(cfg.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
-        w = w / (w.sum(-1, keepdim=True) + 1e-20) * cfg.route_scale
-        y = _swiglu(flat, sd, m + "shared_experts.")
-        for e in range(cfg.n_experts):
-            y = y + ((idx == e) * w).sum(-1, keepdim=True) * _swiglu(flat, sd, f"{m}experts.{e}.")
-        h = h + y.view(B, S, -1)
-    return F.linear(_norm(h, sd["model.norm.weight"], cfg.norm_eps), sd["lm_head.weight"])
+        h = _deepseek_layer(sd, i, h, cos, sin, cfg, softmax_scale, latent_eps)
+    h = _norm(h, sd["model.norm.weight"], cfg.norm_eps)
+    logits = F.linear(h, sd["lm_head.weight"])
+    if not mtp:
+        return logits
+    depths = []
+    for k in range(1, cfg.mtp_depth + 1):
+        p, rows = f"model.layers.{cfg.n_layers + k - 1}.", S - k
+        e = _norm(sd[p + "embed_tokens.weight"][tokens[:, k:]], sd[p + "enorm.weight"], cfg.norm_eps)
+        x = F.linear(torch.cat([e, _norm(h[:, :rows], sd[p + "hnorm.weight"], cfg.norm_eps)], -1),
+                     sd[p + "eh_proj.weight"])
+        h = _deepseek_layer(sd, cfg.n_layers + k - 1, x, cos[:rows], sin[:rows], cfg, softmax_scale, latent_eps)
+        depths.append(F.linear(_norm(h, sd[p + "shared_head.norm.weight"], cfg.norm_eps),
+                               sd[p + "shared_head.head.weight"]))
+    return logits, depths
 
 
 # ----------------------------------------------------------------------------- tests
