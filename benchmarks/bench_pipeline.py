@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fixtures import peak_rss_increase, tiny_loss, tiny_params  # noqa: E402  (tests/fixtures.py)
+from fixtures import MEASURE_ENV, peak_rss_increase, tiny_loss, tiny_params  # noqa: E402  (tests/fixtures.py)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbh1", "dualpipev")
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_pipeline.json"
@@ -136,6 +136,7 @@ def _layouts_rank(rounds: int) -> dict:
 def layouts(rounds: int) -> list[dict]:
     from shardfn.runtime.launch import spawn
 
+    os.environ.update(MEASURE_ENV)  # the ranks start with it: every large block its own mapping
     per_rank = spawn(_layouts_rank, 4, args=(rounds,), timeout_s=1800)
     times = per_rank[0]["times"]
     rows = []

@@ -138,11 +138,17 @@ def _status_bytes(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
+MEASURE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+"""Set in a process's environment before it starts, so that glibc maps every block of 128 KiB and
+more on its own and unmaps it when freed (by default the threshold grows as large blocks are
+freed, and later ones reuse heap pages already resident, which no RSS counter sees)."""
+
+
 def peak_rss_increase(fn: Callable[[], object]) -> tuple[object, int]:
     """``fn()``'s result and the most bytes of resident memory it added at once (Linux: the peak
-    RSS counter is reset first, then read back). CPU tensors of 128 KiB and more are their own
-    mappings, returned when freed, so for them this is the allocator's peak; smaller ones may
-    reuse heap pages that were already resident (counted as 0).
+    RSS counter is reset first, then read back). In a process started with :data:`MEASURE_ENV`,
+    CPU tensors of 128 KiB and more are their own mappings, returned when freed, so for them this
+    is the allocator's peak; smaller ones may reuse heap pages already resident (counted as 0).
 
         out, peak = peak_rss_increase(lambda: step(params, state, batch))
     """
