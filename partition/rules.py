@@ -5,8 +5,9 @@ one mesh dim; DTensor expands them over the mesh and picks the cheapest.
 - CPU fused attention (``_scaled_dot_product_flash_attention_for_cpu`` and its backward):
   split over batch (dim 0) or heads (dim 1), as the CUDA kernels are.
 
-Routed experts (``shardfn::grouped_mm``) need no rule: they run inside ``sf.local_map`` regions,
-on each rank's own tokens.
+- Routed experts (``shardfn::grouped_mm``): replicated only. A layout splits experts inside an
+  ``sf.local_map`` region, on each rank's own tokens; outside one (a one-device mesh, which the
+  planner lowers too) the grouped GEMM sees every token and every expert.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ def register_all() -> None:
     if _registered:
         return
     _registered = True
+
+    import shardfn.core.grouped_mm  # noqa: F401  (registers shardfn::grouped_mm)
+
+    @register_sharding(torch.ops.shardfn.grouped_mm.default)
+    def _grouped_mm(x, w, offs):
+        return [([Replicate()], [Replicate(), Replicate(), Replicate()])]
 
     @register_sharding(aten._scaled_dot_product_flash_attention_for_cpu.default)
     def _flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, attn_mask=None, scale=None):

@@ -308,3 +308,9 @@ def test_moe_step_on_a_data_axis_only_all_reduces(clean_process_group):
     counts = n_moe * cfg.model.n_experts * 8            # int64 [layers, E]
     scalars = 3 * 4                                      # loss, ce_loss, balance_loss
     assert rows[0]["bytes"] == grads + counts + scalars
+
+
+def test_moe_on_one_device_plans(clean_process_group):
+    # the grouped GEMM outside an expert region (no ep) runs replicated
+    plan = pl.make_plan(load_config("moe_tiny", ["train.batch_size=4", "train.seq_len=16"]))
+    assert plan.layout.world_size == 1 and plan.per_rank["params_bytes"] > 0 and not plan.comm
