@@ -146,8 +146,29 @@ def broadcast_specs(specs: Any, tree: Any, *, what: str = "in_specs") -> list:
     try:
         full = optree.tree_broadcast_prefix(specs, tree, is_leaf=is_spec, none_is_leaf=False)
         return treedef.flatten_up_to(full)
+    except ValueError:
+        pass
+    # say it again over the tree's structure: shapes, never tensor values
+    outline = optree.tree_map(_Outline, tree, none_is_leaf=False)
+    try:
+        optree.tree_broadcast_prefix(specs, outline, is_leaf=is_spec, none_is_leaf=False)
+        detail = "they do not line up"
     except ValueError as e:
-        raise ValueError(f"{what} must be a pytree prefix of the arguments: {e}") from None
+        detail = str(e)
+    structure = optree.tree_unflatten(treedef, treedef.flatten_up_to(outline))
+    raise ValueError(f"{what} must be a pytree prefix of the arguments: {detail.rstrip('.')}. The arguments' "
+                     f"structure: {structure!r}") from None
+
+
+class _Outline:
+    """A leaf shown by its dtype and shape (``f32[64, 256]``) in error messages."""
+
+    def __init__(self, x: Any):
+        self.text = (f"{str(x.dtype).replace('torch.', '')}{list(x.shape)}" if isinstance(x, torch.Tensor)
+                     else type(x).__name__)
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str, int]) -> Any:

@@ -536,3 +536,18 @@ def test_train_init_from_an_empty_dir(tmp_path):
     cfg = load_config(None, [f"train.init_from={tmp_path / 'hf'}", "train.steps=1"])
     with pytest.raises(FileNotFoundError, match=r"train\.init_from: '.*hf' holds no \*\.safetensors files"):
         train(cfg, log=lambda line: None)
+
+
+def test_a_spec_tree_that_does_not_fit_prints_shapes_not_values(clean_process_group):
+    import shardfn as sf
+    from shardfn import P
+    from shardfn.core import optim
+
+    params = {"w1": torch.randn(4, 8), "w2": torch.randn(8, 4)}
+    state = optim.adamw(1e-3).init(params)
+    jitted = sf.jit(lambda p, s: (p, s), sf.Mesh({"dp": 2}, fake=True), in_specs=(P(), ({"a": P()},)), backend=None)
+    with pytest.raises(ValueError) as e:
+        jitted.lower(params, state)
+    message = str(e.value)
+    assert "in_specs must be a pytree prefix of the arguments: tuple arity mismatch" in message
+    assert "mu={'w1': float32[4, 8], 'w2': float32[8, 4]}" in message and "tensor(" not in message
