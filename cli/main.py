@@ -5,9 +5,9 @@
     shardfn params --config llama3_8b --json        # {"total": ..., "active": ...}
 
 Each subcommand is one module of ``shardfn.cli`` (``train``, ``params``, ``inspect``, ``plan``,
-``schedule``) with ``add_arguments(parser)`` and ``run(args) -> exit code``. :data:`SUBCOMMANDS`
-names them as ``"module:function"`` strings, so only the subcommand being run is imported and
-``shardfn params`` never loads the partitioner.
+``schedule``, ``export``) with ``add_arguments(parser)`` and ``run(args) -> exit code``.
+:data:`SUBCOMMANDS` names them as ``"module:function"`` strings, so only the subcommand being run
+is imported and ``shardfn params`` never loads the partitioner.
 
 Exit codes: 0 success, 1 a failure while running, 2 a usage or config error (message on stderr),
 130 interrupted (Ctrl-C). A failure prints one line; ``shardfn --debug SUBCOMMAND ...`` (or
@@ -42,6 +42,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "schedule": "print a pipeline schedule's action table, bubble and peak in-flight microbatches",
         "inspect": "lower a config's train step on a simulated mesh; print its collectives and memory per rank",
         "plan": "plan memory, collectives and step time per rank at any scale; --search for layouts that fit",
+        "export": "write a training checkpoint (any layout) as a Hugging Face directory: safetensors, config.json",
     }.items()
 }
 """Subcommand name -> its help line and its module's functions (imported when that subcommand runs)."""

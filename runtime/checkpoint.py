@@ -32,6 +32,7 @@ shared file system).
     save_checkpoint("runs/ckpt", 100, params, opt_state, keep=2)
     loaded = load_checkpoint(latest_checkpoint("runs/ckpt"), params, opt_state)
     loaded = restore(path, step, params, opt_state)   # a training Step's layout (runtime.step)
+    params = load_params(path, model.init(cfg.model, 0, device="meta"))   # whole, in one process
 """
 
 from __future__ import annotations
@@ -303,6 +304,36 @@ def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like
     opt_state = optree.tree_unflatten(s_def, [target[k] for k in s_keys])
     return Loaded(int(target["train.step"]), params, opt_state, int(target["train.data_position"]),
                   target.get(rng_key), meta)
+
+
+def load_params(path: str | os.PathLike, params_like: PyTree, *, config: dict | None = None) -> PyTree:
+    """The parameters saved at ``path`` as whole CPU tensors in this process (no optimizer state).
+
+    Every layout's checkpoint holds the same global tensors (plain, a mesh's DTensor shards, or
+    pipeline ranks' blocks), so one process reads any of them: DCP assembles each leaf from its
+    chunks, without a process group (a rank of a running group reads alone, no collective).
+    ``params_like`` gives the tree, shapes and dtypes and is not written into; meta tensors
+    (``model.init(cfg, 0, device="meta")``) allocate nothing. Keys, shapes and dtypes are checked
+    first, as :func:`load_checkpoint` checks them (``config``: ``RunConfig.to_dict()``, to name
+    the model keys that differ).
+
+    Example:
+        params = load_params(latest_checkpoint("runs/ckpt"), llama.init(cfg.model, 0, device="meta"))
+        params["layers"]["attn"]["wq"].shape  # [L, D, H * head_dim], whatever mesh saved it
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise ValueError(f"{path} is not a complete checkpoint (no {MARKER} marker or DCP index); "
+                         f"load one of latest_checkpoint({str(path.parent)!r})")
+    keys = flat_paths(params_like, "params")
+    target = {k: torch.empty(tuple(v.shape), dtype=v.dtype) for k, v in keys}
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    check_compatible(path, {k: v for k, v in saved.items() if k.startswith("params.")}, target, read_meta(path),
+                     config)
+    with _quiet():
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    _, treedef = optree.tree_flatten(params_like, none_is_leaf=False)
+    return optree.tree_unflatten(treedef, [target[k] for k, _ in keys])
 
 
 def check_compatible(path: Path, saved: dict, target: dict, meta: dict, config: dict | None) -> None:
