@@ -5,10 +5,12 @@ cheapest strategy for the inputs it is given). Three policies sit on top:
 
 1. **Partial sums stay Partial** through linear ops (views, sums, scaling, adding a replicated
    value, which DTensor turns into a share of the sum without communication) until a consumer
-   needs the value reduced. Then it is reduced *once* (to Replicate on that mesh axis: one
+   needs the value reduced. Then it is reduced *once* (on that mesh axis: one reduce-scatter or
    all-reduce) and every later consumer sees the reduced value. So the three input-gradient
    partial sums of separate q/k/v projections are added first and reduced together, as Megatron
-   does with a fused QKV.
+   does with a fused QKV. The sum is reduced to what that consumer wants on the mesh dim -- a shard
+   (one reduce-scatter: a ZeRO-3 gradient meeting its stored parameter) or the whole value -- and
+   an op reading one partial value twice reduces it once.
 2. **Gather on use** (ZeRO-3 / FSDP): inputs named by ``fsdp_argnums`` are stored sharded over the
    ``fsdp_axes``; each *use* of such a value by a compute op all-gathers it over those axes, so
    the forward and the backward each gather it and nothing gathered lives across the two.
@@ -272,15 +274,21 @@ class ShardingInterpreter(torch.fx.Interpreter):
                     dims.add(d)  # reduce a partial sum where it is smallest, not after a contraction grows it
         if not dims:
             return args, kwargs
-        for i in tensor_idx:
+        done: dict = {}  # (value, placements) -> reduced: an op reading one partial twice reduces it once
+        for i, w in zip(tensor_idx, wanted):
             x = flat[i]
             if not any(isinstance(x.placements[d], Partial) for d in dims):
                 continue
-            placements = [
-                Replicate() if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)
-            ]
-            reduced = x.redistribute(self.dmesh, placements)
-            flat[i] = reduced
+            # reduce to what the op wants on that mesh dim: a shard (reduce-scatter) or the whole
+            # value (all-reduce); a later consumer that needs more gathers it
+            placements = tuple(
+                (w.placements[d] if isinstance(w.placements[d], Shard) else Replicate())
+                if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)
+            )
+            key = (id(x), placements)
+            if key not in done:
+                done[key] = x.redistribute(self.dmesh, list(placements))
+            reduced = flat[i] = done[key]
             src = sources[i] if len(sources) == len(flat) else None
             if isinstance(src, torch.fx.Node) and self.env.get(src) is x:
                 self.env[src] = reduced  # reduce once: later consumers see the reduced value

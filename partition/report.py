@@ -96,7 +96,8 @@ def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mes
     for row in collectives(local_gm, mesh):
         emitted[row["node"]].append(f"{row['op']}[{row['axis']}] {row['bytes']} B")
     names = mesh.dims
-    lines = [f"# mesh {mesh}", "# value : placements  (S(d) = sharded on dim d, P = partial sum, R = replicated)"]
+    lines = [f"# mesh {mesh}", "# value : placements  (S(d) = sharded on dim d, S(d,strided k) = sharded on dim d "
+                                "in k interleaved blocks, P = partial sum, R = replicated)"]
     ph = iter(paths)
     for n in global_gm.graph.nodes:
         if n.op == "output":

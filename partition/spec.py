@@ -111,10 +111,16 @@ def to_spec(placements: Sequence[Placement], ndim: int, axis_names: Sequence[str
 
 
 def describe(placements: Sequence[Placement], axis_names: Sequence[str]) -> str:
-    """Compact text for placements: ``dp:S(0) tp:P(sum)``; replicated axes are left out."""
+    """Compact text for placements: ``dp:S(0) tp:P(sum)``; replicated axes are left out; a strided
+    shard (dim 1 split in 2 interleaved blocks per rank) is ``tp:S(1,strided 2)``."""
+    from shardfn.core._torch_private import strided_shard
+
     parts = []
     for name, pl in zip(axis_names, placements):
-        if isinstance(pl, Shard):
+        strided = strided_shard(pl)
+        if strided is not None:
+            parts.append(f"{name}:S({strided[0]},strided {strided[1]})")
+        elif isinstance(pl, Shard):
             parts.append(f"{name}:S({pl.dim})")
         elif isinstance(pl, Partial):
             parts.append(f"{name}:P({pl.reduce_op})")

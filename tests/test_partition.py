@@ -228,3 +228,46 @@ def test_constrain_inside_a_differentiated_function(fake_mesh):
     )
     constrained = [line for line in lowered.as_text().splitlines() if "shardfn.constrain" in line]
     assert len(constrained) == 2 and all(line.endswith("dp:S(0) tp:S(1)") for line in constrained)
+
+
+# ------------------------------------------------------------------ partial sums: reduced once, to what is needed
+
+
+def test_fsdp_argnums_alone_reduce_scatters_gradients(clean_process_group):
+    mesh = sf.Mesh({"fsdp": 2}, fake=True)
+
+    def loss(p, x):
+        return (torch.relu(x @ p["w1"]) @ p["w2"]).square().mean()
+
+    def step(p, x):  # no constraint on the gradients: the update's stored operand asks for a shard
+        g = torch.func.grad(loss)(p, x)
+        return {k: p[k] - 0.1 * g[k] for k in p}
+
+    p = {"w1": torch.randn(16, 32), "w2": torch.randn(32, 16)}
+    specs = {"w1": P("fsdp"), "w2": P("fsdp")}
+    rows = sf.jit(step, mesh, in_specs=(specs, P("fsdp")), out_specs=specs, fsdp_argnums=(0,),
+                  backend=None).lower(p, torch.randn(8, 16)).comm_report()
+    by_op = {r["op"]: (r["bytes"], r["count"]) for r in rows}
+    assert by_op["reduce_scatter"] == (2 * 16 * 32 * 4, 2)  # each gradient once, onto its shard
+    assert "all_reduce" not in by_op
+
+
+def test_a_partial_sum_used_twice_is_reduced_once(clean_process_group):
+    mesh = sf.Mesh({"tp": 2}, fake=True)
+
+    def f(w1, w2, x):
+        y = (x @ w1) @ w2                               # row-parallel: a partial sum over tp
+        return (y * y).sum() + torch.cat([y, y]).sum()  # one op reads it twice, another twice more
+
+    rows = sf.jit(f, mesh, in_specs=(P(None, "tp"), P("tp", None), P()), out_specs=P(),
+                  backend=None).lower(torch.randn(16, 32), torch.randn(32, 16), torch.randn(8, 16)).comm_report()
+    assert rows == [{"op": "all_reduce", "axis": "tp", "bytes": 8 * 16 * 4, "count": 1}]
+
+
+def test_strided_shards_are_shown_as_such():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from shardfn.partition.spec import describe
+
+    assert describe([_StridedShard(1, split_factor=2), Shard(0)], ["tp", "dp"]) == "tp:S(1,strided 2) dp:S(0)"
+    assert describe([Replicate(), Replicate()], ["tp", "dp"]) == "R"
