@@ -94,21 +94,27 @@ def test_fsdp2_gathers_move_bf16_and_gradients_reduce_in_fp32(config, clean_proc
 # ------------------------------------------------------------------ real ranks: layouts and the plan
 
 
+def _two_steps(config, overrides):
+    """``config`` built for its layout and stepped twice: the step, its state, the losses."""
+    cfg = load_config(config, [*BASE, *overrides])
+    model = models.get(cfg.model_name)
+    step = build_step(cfg, model, abstract(model.init(cfg.model, 0, device="meta"), "cpu"))
+    params, state = step.place(model.init(cfg.model, 0))
+    tokens = data.from_config(cfg.data)
+    losses = []
+    for s in range(2):
+        params, state, m = step(params, state, data.get_batch(tokens, s, batch_size=8, seq_len=32, seed=0))
+        losses.append(float(m["loss"]))
+    return step, params, state, losses
+
+
 def _ranks_worker(runs):
     """Each ``(config, overrides)`` for 2 steps on these ranks: losses, dtypes, reports."""
     from torch.distributed.tensor import DTensor
 
     out = []
     for config, overrides in runs:
-        cfg = load_config(config, [*BASE, *overrides])
-        model = models.get(cfg.model_name)
-        step = build_step(cfg, model, abstract(model.init(cfg.model, 0, device="meta"), "cpu"))
-        params, state = step.place(model.init(cfg.model, 0))
-        tokens = data.from_config(cfg.data)
-        losses = []
-        for s in range(2):
-            params, state, m = step(params, state, data.get_batch(tokens, s, batch_size=8, seq_len=32, seed=0))
-            losses.append(float(m["loss"]))
+        step, params, state, losses = _two_steps(config, overrides)
         local = [x.to_local() if isinstance(x, DTensor) else x for x in tree_leaves((params, state))]
         out.append({"losses": losses, "dtypes": {str(x.dtype) for x in local if x.is_floating_point()},
                     "memory": step.memory_report(), "comm": step.comm_report()})
@@ -134,15 +140,7 @@ def ranks():
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["fsdp2", "pp2", "moe-ep2"])
 def test_bf16_trains_on_every_layout_with_fp32_state(ranks, index):
     config, overrides = LAYOUTS[index]
-    cfg = load_config(config, [*BASE, "train.precision=bf16"])  # the same run on one device
-    model = models.get(cfg.model_name)
-    step = build_step(cfg, model, abstract(model.init(cfg.model, 0, device="meta"), "cpu"))
-    params, state = step.place(model.init(cfg.model, 0))
-    tokens = data.from_config(cfg.data)
-    want = []
-    for s in range(2):
-        params, state, m = step(params, state, data.get_batch(tokens, s, batch_size=8, seq_len=32, seed=0))
-        want.append(float(m["loss"]))
+    want = _two_steps(config, ["train.precision=bf16"])[3]  # the same run on one device
     for rank in ranks[(config, *overrides)]:
         assert rank["dtypes"] == {"torch.float32"}
         torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(want), rtol=1e-2, atol=0)
