@@ -214,3 +214,11 @@ def set_default_group_timeout(timeout) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = timeout
+
+
+def strided_shard(placement) -> tuple[int, int] | None:
+    """``(dim, split_factor)`` of a ``_StridedShard`` placement (a dim split by two mesh axes in
+    an interleaved order; in torch 2.13 not a ``Shard``), else None."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return (placement.dim, placement.split_factor) if isinstance(placement, _StridedShard) else None
