@@ -14,10 +14,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "P": "shardfn.partition.spec",
     "AUTO": "shardfn.partition.spec",
+    "specs_like": "shardfn.partition.spec",
     "Mesh": "shardfn.partition.mesh",
     "constrain": "shardfn.partition.constrain",
     "local_map": "shardfn.partition.local_map",
     "pipeline_split": "shardfn.partition.constrain",
+    "register_autograd": "shardfn.partition.constrain",
     "jit": "shardfn.partition.api",
 }
 

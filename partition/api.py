@@ -10,6 +10,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import optree
@@ -17,23 +20,30 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.partition import report
+from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
 from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
 from shardfn.partition.spec import AUTO, broadcast_specs, check_divisible
 from shardfn.partition.trace import Traced, flatten_args, trace
 
+log = logging.getLogger("shardfn.jit")
+
 
 class LoweredStep:
     """A function traced and partitioned for one mesh and one input signature."""
 
-    def __init__(self, traced: Traced, lowered: Lowered, mesh: Mesh, in_specs, out_specs, arg_roles):
+    def __init__(self, traced: Traced, lowered: Lowered, mesh: Mesh, in_specs, out_specs, arg_roles,
+                 grads_role: str | None = None, announce: Callable[[str], None] | None = None):
         self.traced = traced
         self.lowered = lowered
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.arg_roles = arg_roles
+        self.grads_role = grads_role if grads_role is not None else ("params" if "params" in arg_roles else None)
+        self.announce = announce or log.info
+        self.name = "the function"
         self._compiled = None
         # regions that communicate by themselves (an MoE exchange) record what they moved
         self.records = [r.records for r in traced.regions if r.records is not None]
@@ -61,14 +71,16 @@ class LoweredStep:
         return rows
 
     def memory_report(self) -> dict:
-        """Bytes per rank: each named argument group (params, opt_state, ...), ``grads`` (the
-        params' size under their specs, when an argument is named ``params``), and
+        """Bytes per rank: each named argument group (params, opt_state, ...; ``arg0``, ``arg1``
+        without ``arg_names``), ``grads`` (the size of the parameters under their specs: the
+        argument named ``params``, else the ``fsdp_argnums`` ones, else the first argument), and
         ``activations`` (peak bytes of the values the step creates)."""
         out: dict[str, int] = {}
         for meta, role in zip(self.lowered.local_in_meta, self.arg_roles):
             out[role] = out.get(role, 0) + meta.numel() * meta.element_size()
-        if "params" in out:
-            out["grads"] = out["params"]
+        grads_of = self.grads_role or (self.arg_roles[0] if self.arg_roles else None)
+        if grads_of is not None:
+            out["grads"] = sum(out.get(r, 0) for r in grads_of.split("+"))
         out["activations"] = report.peak_temporary_bytes(self.graph_module)
         out["total"] = sum(v for k, v in out.items() if k != "total")
         return out
@@ -89,7 +101,12 @@ class LoweredStep:
             _to_local(x, self.mesh, pl, path)
             for x, pl, path in zip(leaves, self.lowered.in_placements, self.traced.in_paths)
         ]
+        first = backend is not None and (self._compiled is None or self._compiled[0] != backend)
+        start = time.perf_counter()
         outs = self.compile(backend)(*local)
+        if first:  # torch.compile compiles on the first call
+            self.announce(f"sf.jit: compiled {self.name} for {self.mesh} with {backend} and ran it once in "
+                          f"{time.perf_counter() - start:.1f} s")
         dmesh = self.mesh.device_mesh
         wrapped = [
             DTensor.from_local(o, dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride())
@@ -144,7 +161,7 @@ class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
     def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None,
-                 reshard_after_forward=True, passes=None):
+                 reshard_after_forward=True, passes=None, bucket_bytes=None, verbose=False):
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs
@@ -156,6 +173,10 @@ class Jitted:
         self.memory_budget = memory_budget
         self.reshard_after_forward = reshard_after_forward
         self.passes = check_passes(passes)
+        if bucket_bytes is not None:
+            check_bucket_bytes(bucket_bytes)
+        self.bucket_bytes = bucket_bytes
+        self.verbose = verbose
         self._cache: dict[Any, LoweredStep] = {}
 
     def lower(self, *args) -> LoweredStep:
@@ -163,13 +184,30 @@ class Jitted:
         key = _signature(args)
         if key in self._cache:
             return self._cache[key]
+        start = time.perf_counter()
+        step = self._lower(args)
+        step.name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        step.announce = self.announce
+        self.announce(f"sf.jit: lowered {step.name} for {self.mesh} in {time.perf_counter() - start:.1f} s "
+                      f"({sum(r['count'] for r in step.comm_report())} collectives)")
+        self._cache[key] = step
+        return step
+
+    def announce(self, line: str) -> None:
+        """One line about a first call's lowering or compile: printed with ``verbose=True``, else
+        logged at INFO on the ``shardfn.jit`` logger."""
+        if self.verbose:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            log.info(line)
+
+    def _lower(self, args) -> LoweredStep:
         args = _global_stand_ins(args)  # a first call may pass DTensors (a resumed run's, or a step's own outputs)
         if _has_auto(self.in_specs):
             fixed = None if self.in_specs is AUTO else self.in_specs
             step, result = jit_auto(self.fn, self.mesh, args, arg_names=self.arg_names,
                                     fixed_specs=fixed, memory_budget=self.memory_budget)
             step.auto = result  # the solver's choice: .to_rules_yaml(), .comparison_table(...)
-            self._cache[key] = step
             return step
         with mesh_scope(self.mesh):
             traced = trace(self.fn, args)
@@ -201,11 +239,13 @@ class Jitted:
             traced = run_passes(self.passes, "after_propagate", traced)
             if traced.graph_module.code != before:  # a rewrite: propagate and lower what it made
                 lowered = lower_traced(traced)
+        if self.bucket_bytes:  # before the user's after_lower passes, which see the buckets
+            lowered.graph_module = bucket_collectives(lowered.graph_module, self.bucket_bytes)
         if self.passes.get("after_lower"):
             lowered.graph_module = run_passes(self.passes, "after_lower", traced, lowered.graph_module)
-        step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles)
-        self._cache[key] = step
-        return step
+        grads_role = None if "params" in roles or not self.fsdp_argnums else "+".join(
+            dict.fromkeys(r for r, i in zip(roles, arg_of_leaf) if i in self.fsdp_argnums))
+        return LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None)
 
     def __call__(self, *args):
         return self.lower(*args)(*args, backend=self.backend)
@@ -224,6 +264,8 @@ def jit(
     memory_budget: float | None = None,
     reshard_after_forward: bool = True,
     passes: Mapping[str, Sequence[Callable]] | None = None,
+    bucket_bytes: int | None = None,
+    verbose: bool = False,
 ) -> Jitted:
     """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
 
@@ -245,6 +287,13 @@ def jit(
             ``after_propagate`` (the global graph with ``meta["sf_placements"]`` on each node;
             a rewrite is propagated and lowered again) and ``after_lower`` (the per-rank program,
             collectives included). Each runs once per lowering, in order (``docs/passes.md``).
+        bucket_bytes: coalesce gradient all-reduces and reduce-scatters into buckets of at most
+            this many bytes (``partition/bucket.py``; the run config's ``partition.bucket_bytes``
+            defaults to 25 MiB, as DDP); None or 0: one collective per tensor. Runs before the
+            ``after_lower`` passes.
+        verbose: print one line (to stderr) when a signature is first lowered and when its program
+            is first compiled, with the seconds each took; else those lines go to the
+            ``shardfn.jit`` logger at INFO (``logging.basicConfig(level=logging.INFO)`` shows them).
 
     Example:
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
@@ -254,7 +303,7 @@ def jit(
         raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
                         f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget,
-                  reshard_after_forward, passes)
+                  reshard_after_forward, passes, bucket_bytes, verbose)
 
 
 def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):

@@ -1,12 +1,15 @@
 """Layout facts, each in one place: mesh axes, logical-axis rules, the specs they give, and the
 checks that a layout fits a model and a batch.
 
-Mesh axes are ``pp dp fsdp ep tp``, major to minor (``tp`` varies fastest, so it stays within a
+Mesh axes are ``pp dp fsdp cp ep tp``, major to minor (``tp`` varies fastest, so it stays within a
 node). The default rules give the textbook layouts: ``dp`` replicates parameters and splits the
 batch; ``fsdp`` also splits every weight's ``embed`` dim (ZeRO-3: stored sharded, gathered on
 use); ``tp`` splits ``heads``/``kv_heads``/``mlp``/``expert_mlp``/``vocab`` column-then-row
 (Megatron); ``ep`` splits ``expert`` and acts as one more data axis elsewhere; ``pp`` splits the
-``layers`` into pipeline stages (``partition.stages``).
+``layers`` into pipeline stages (``partition.stages``); ``cp`` splits the ``seq`` dim of every
+activation (context parallelism, ``partition.context``: the batch's tokens load-balanced, K/V
+gathered per attention layer). ``cp`` is listed in a mesh only when it is > 1
+(:data:`AXIS_ORDER`), so meshes and plans without it are as before.
 
     rules = resolve_rules(cfg.rules, mesh.axes)
     specs = param_specs(model.param_axes(model_cfg), rules, mesh.axes)
@@ -25,8 +28,15 @@ from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.errors import LayoutError
 from shardfn.partition.spec import P, entry_axes, specs_from_rules
 
-MESH_AXES = ("pp", "dp", "fsdp", "ep", "tp")
-"""Mesh axis names, major to minor."""
+AXIS_ORDER = ("pp", "dp", "fsdp", "cp", "ep", "tp")
+"""Every mesh axis name, major to minor."""
+
+MESH_AXES = tuple(a for a in AXIS_ORDER if a != "cp")
+"""The mesh axes every mesh lists (size 1 when unused), major to minor; ``cp`` joins them where
+it is > 1 (:func:`mesh_axes`). The planner models these."""
+
+SEQUENCE_AXIS = "cp"
+"""The mesh axis that splits the sequence (the default ``rules.seq``)."""
 
 DATA_AXES = ("dp", "fsdp", "ep")
 """The axes the global batch is split over by default (``rules.batch``)."""
@@ -40,7 +50,7 @@ LOGICAL_AXES = (
 
 DEFAULT_RULES: dict[str, Any] = {
     "batch": list(DATA_AXES),  # the global batch is split over every data-parallel axis
-    "seq": None,
+    "seq": SEQUENCE_AXIS,  # context parallelism: activations split over the sequence
     "vocab": "tp",
     "embed": "fsdp",  # ZeRO-3: parameters sharded along their embed dim
     "heads": "tp",  # Megatron tensor parallelism: column-parallel q/k/v, row-parallel o
@@ -58,12 +68,15 @@ DEFAULT_RULES: dict[str, Any] = {
 
 
 def mesh_axes(sizes: Mapping[str, int], *, include_pp: bool = True) -> dict[str, int]:
-    """``sizes`` as ordered mesh axes (missing ones are 1); ``pp`` left out unless asked.
+    """``sizes`` as ordered mesh axes (missing ones are 1; ``cp`` only when > 1); ``pp`` left out
+    unless asked.
 
     Example:
         mesh_axes({"tp": 2, "dp": 2}, include_pp=False)   # {'dp': 2, 'fsdp': 1, 'ep': 1, 'tp': 2}
+        mesh_axes({"cp": 2}, include_pp=False)            # {'dp': 1, 'fsdp': 1, 'cp': 2, 'ep': 1, 'tp': 1}
     """
-    return {a: int(sizes.get(a, 1)) for a in MESH_AXES if include_pp or a != "pp"}
+    return {a: int(sizes.get(a, 1)) for a in AXIS_ORDER
+            if (include_pp or a != "pp") and (a in MESH_AXES or int(sizes.get(a, 1)) > 1)}
 
 
 def resolve_rules(user_rules: Mapping | None, axes: Mapping[str, int]) -> dict[str, Any]:
@@ -81,7 +94,7 @@ def resolve_rules(user_rules: Mapping | None, axes: Mapping[str, int]) -> dict[s
     for logical, target in rules.items():
         names = entry_axes(target)
         for name in names:
-            if name not in axes and name not in MESH_AXES:
+            if name not in axes and name not in AXIS_ORDER:
                 raise ValueError(f"rules.{logical}: unknown mesh axis {name!r}; the mesh has axes {tuple(axes)}")
         kept = [n for n in names if n in axes]
         out[logical] = kept[0] if len(kept) == 1 else (kept or None)
@@ -98,10 +111,27 @@ def batch_axes(rules: Mapping, axes: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(n for n in entry_axes(rules.get("batch")) if axes.get(n, 1) > 1)
 
 
+def seq_axes(rules: Mapping, axes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes of size > 1 that split the sequence (``rules.seq``: ``cp`` by default)."""
+    return tuple(n for n in entry_axes(rules.get("seq")) if axes.get(n, 1) > 1)
+
+
+def seq_split(rules: Mapping, axes: Mapping[str, int]) -> int:
+    """How many ways the sequence is split: the product of the sequence axes' sizes."""
+    return math.prod(axes[n] for n in seq_axes(rules, axes))
+
+
 def batch_spec(rules: Mapping, axes: Mapping[str, int]) -> P:
-    """The spec of a ``[batch, ...]`` array: its first dim over the batch axes."""
-    names = batch_axes(rules, axes)
-    return P(names if len(names) > 1 else (names[0] if names else None))
+    """The spec of a ``[batch, seq, ...]`` array: its first dim over the batch axes, its second
+    over the sequence axes (when ``rules.seq`` names one of size > 1).
+
+        batch_spec(resolve_rules(None, {"dp": 2, "cp": 2}), {"dp": 2, "cp": 2})   # P('dp', 'cp')
+    """
+    names, seq = batch_axes(rules, axes), seq_axes(rules, axes)
+    first = names if len(names) > 1 else (names[0] if names else None)
+    if not seq:
+        return P(first)
+    return P(first, seq if len(seq) > 1 else seq[0])
 
 
 def data_size(rules: Mapping, axes: Mapping[str, int]) -> int:
@@ -133,6 +163,19 @@ def state_specs(state: Any, params: Any, specs: Any) -> Any:
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_seq(seq_len: int, split: int) -> None:
+    """Raise :class:`LayoutError` unless ``seq_len`` splits into ``2 * split`` equal chunks (each
+    context-parallel rank holds two, for causal load balance; ``partition.context``).
+
+    Example:
+        check_seq(100, 8)   # LayoutError: train.seq_len: 100 is not divisible by 2 * mesh.cp = 16; ...
+    """
+    if split > 1 and seq_len % (2 * split):
+        raise LayoutError("train.seq_len", f"{seq_len} is not divisible by 2 * mesh.cp = {2 * split} (each "
+                                           f"context-parallel rank holds two equal chunks of the sequence); use a "
+                                           f"multiple of {2 * split}")
 
 
 def check_batch(batch_size: int, data: int, microbatches: int = 1, *, data_axes=DATA_AXES) -> None:
@@ -245,6 +288,27 @@ def check_run(model, cfg) -> None:
     check_model(model, cfg.model, axes, cfg.rules, n_stages=n_stages)
     check_batch(cfg.train.batch_size, data_size(rules, axes), p.microbatches if pp > 1 else 1,
                 data_axes=tuple(n for n in entry_axes(rules.get("batch"))))
+    check_context(model, cfg, axes, rules)
+
+
+def check_context(model, cfg, axes: Mapping[str, int], rules: Mapping) -> None:
+    """Raise :class:`LayoutError` when the sequence split (``mesh.cp``) cannot run ``cfg``: the
+    sequence length against ``2 * cp``, the pipeline (not composed yet) and a model that reads
+    its tokens in order beyond attention (multi-token prediction).
+
+    Example:
+        check_context(llama, load_config("llama_tiny", ["mesh.cp=2", "train.seq_len=6"]), ...)   # train.seq_len ...
+    """
+    split = seq_split(rules, axes)
+    if split == 1:
+        return
+    check_seq(cfg.train.seq_len, split)
+    if axes.get("pp", 1) > 1:
+        raise LayoutError("mesh.cp", f"{split} with mesh.pp = {axes['pp']}: context parallelism does not compose "
+                                     f"with pipeline stages yet; use mesh.cp=1 or mesh.pp=1")
+    if getattr(cfg.model, "mtp_depth", 0):
+        raise LayoutError("mesh.cp", f"{split} with model.mtp_depth = {cfg.model.mtp_depth}: multi-token "
+                                     f"prediction shifts the tokens in order; use mesh.cp=1 or model.mtp_depth=0")
 
 
 def reshard_after_forward(cfg) -> bool:

@@ -34,26 +34,32 @@ def collectives(gm: torch.fx.GraphModule, mesh) -> list[dict]:
     """One row per collective in program order: op, axis, bytes, shape, source global node."""
     rows = []
     for n, kind in collective_nodes(gm):
-        rows.append(
-            {
-                "op": kind,
-                "axis": mesh.axis_of_group(n.args[-1]),
-                "bytes": collective_bytes(n, kind),
-                "shape": tuple(n.args[0].meta["val"].shape),
-                "node": n.meta.get("sf_source", "?"),
-            }
-        )
+        row = {
+            "op": kind,
+            "axis": mesh.axis_of_group(n.args[-1]),
+            "bytes": collective_bytes(n, kind),
+            "shape": tuple(n.args[0].meta["val"].shape),
+            "node": n.meta.get("sf_source", "?"),
+        }
+        if "sf_bucket" in n.meta:  # one collective for several tensors (partition/bucket.py)
+            row["bucket"] = list(n.meta["sf_bucket"])
+            row["bucket_bytes"] = list(n.meta.get("sf_bucket_bytes", ()))
+        rows.append(row)
     return rows
 
 
 def comm_report(gm: torch.fx.GraphModule, mesh) -> list[dict]:
-    """Collectives per step per rank, summed by (op, axis): rows of op, axis, bytes, count."""
-    total: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    """Collectives per step per rank, summed by (op, axis): rows of op, axis, bytes, count; and
+    ``tensors``, the tensors those collectives carry, where buckets (``partition.bucket_bytes``)
+    made it more than ``count``."""
+    total: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     for row in collectives(gm, mesh):
         acc = total[(row["op"], row["axis"])]
         acc[0] += row["bytes"]
         acc[1] += 1
-    return [{"op": op, "axis": axis, "bytes": b, "count": c} for (op, axis), (b, c) in sorted(total.items())]
+        acc[2] += len(row.get("bucket", (None,)))
+    return [{"op": op, "axis": axis, "bytes": b, "count": c, **({"tensors": t} if t != c else {})}
+            for (op, axis), (b, c, t) in sorted(total.items())]
 
 
 def peak_temporary_bytes(gm: torch.fx.GraphModule) -> int:
@@ -90,11 +96,22 @@ def _tensors(val):
     return []
 
 
+# Ops that cut a value along a dim: on a value sharded along that dim (a fused qkv projection
+# split into q, k, v), each piece straddles ranks and the value is gathered first.
+SPLITTING_OPS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.slice.Tensor",
+                 "aten.narrow.default")
+
+
 def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mesh, paths: Sequence[str]) -> str:
     """The global graph, one node a line with its placements, and the collectives each emitted."""
     emitted: dict[str, list[str]] = defaultdict(list)
     for row in collectives(local_gm, mesh):
-        emitted[row["node"]].append(f"{row['op']}[{row['axis']}] {row['bytes']} B")
+        if "bucket" in row:
+            text = f"{row['op']}[{row['axis']}] in {row['node']} ({row['bytes']} B for {len(row['bucket'])} tensors)"
+            for source in dict.fromkeys(row["bucket"]):
+                emitted[source].append(text)
+        else:
+            emitted[row["node"]].append(f"{row['op']}[{row['axis']}] {row['bytes']} B")
     names = mesh.dims
     lines = [f"# mesh {mesh}", "# value : placements  (S(d) = sharded on dim d, S(d,strided k) = sharded on dim d "
                                 "in k interleaved blocks, P = partial sum, R = replicated)"]
@@ -120,4 +137,10 @@ def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mes
             lines.append(f"{n.name} = {n.target}({args}) {shape} : {text}")
         for c in emitted.get(n.name, []):
             lines.append(f"    ^ {c}")
+        gathered = [c for c in emitted.get(n.name, []) if c.startswith("all_gather")]
+        if gathered and str(n.target) in SPLITTING_OPS:
+            total = sum(int(c.split()[1]) for c in gathered)
+            lines.append(f"    ! split of a value sharded along the split dim: gathered first ({total} B); lay the "
+                         f"fused dim out head-major ([..., heads, 3, head_dim], then unbind) to split without "
+                         f"communication")
     return "\n".join(lines)

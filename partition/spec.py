@@ -177,6 +177,37 @@ class _Outline:
         return self.text
 
 
+def specs_like(tree: Any, param_specs: Any) -> Any:
+    """Specs for a state that mirrors the parameters (an optimizer's moments, an EMA copy): each
+    subtree of ``tree`` with the structure of ``param_specs`` takes ``param_specs``; every other
+    leaf (step counts, learning rates, scalars) is replicated, ``P()``.
+
+    ``param_specs`` is the full spec tree of the parameters (one ``P`` per parameter, as given to
+    ``in_specs``); subtrees are matched by structure (the same keys, the same nesting), so a
+    NamedTuple state whose fields mirror the parameters gets their specs field by field.
+
+    Example:
+        opt_specs = sf.specs_like(opt.init(params), param_specs)
+        # adamw: (ScaleByAdamState(count=P(), mu=param_specs, nu=param_specs), EmptyState(), ...)
+    """
+    if is_spec(param_specs):
+        raise TypeError(f"specs_like: param_specs must be the parameters' spec tree (one P per parameter), got "
+                        f"the single spec {param_specs!r}; a state cannot be matched against one leaf")
+    param_specs = optree.tree_map(lambda s: P() if s is None else s, param_specs, is_leaf=is_spec,
+                                  none_is_leaf=True)
+    for s in optree.tree_leaves(param_specs, is_leaf=is_spec, none_is_leaf=False):
+        if not is_spec(s):
+            raise TypeError(f"specs_like: param_specs has a leaf that is not a P: {_Outline(s)!r}; its "
+                            f"structure: {optree.tree_map(_Outline, param_specs, is_leaf=is_spec)!r}")
+    wanted = optree.tree_structure(param_specs, is_leaf=is_spec, none_is_leaf=False)
+
+    def like_params(x) -> bool:
+        return not isinstance(x, torch.Tensor) and optree.tree_structure(x, none_is_leaf=False) == wanted
+
+    return optree.tree_map(lambda sub: param_specs if like_params(sub) else P(), tree, is_leaf=like_params,
+                           none_is_leaf=False)
+
+
 def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str, int]) -> Any:
     """Turn logical axis names into a ``P`` per leaf using ``rules`` (logical axis -> mesh axis,
     tuple/list of mesh axes, or None). Mesh axes of size 1 are dropped; a mesh axis is used at
