@@ -147,3 +147,84 @@ def load_hardware(name_or_path: "str | Path | Hardware") -> Hardware:
         raise ValueError(f"hardware profile {path}: expected a mapping of fields, got {type(data).__name__}")
     data.setdefault("name", path.stem)
     return Hardware.from_dict(data, where=f"hardware profile {path}")
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """What a device achieves of its peaks on a training step's kernels (the run model's rates).
+
+    Attributes:
+        matmul: ``((smallest of M, N, K), share of peak FLOP/s)`` rows, increasing; a bf16 GEMM
+            of that smallest dimension reaches that share (log-linear in between, clamped outside).
+        attention: share of peak of a causal flash-attention forward + backward (FLOPs counted
+            causally: half the square).
+        hbm: share of ``hbm_bandwidth`` a streaming element-wise kernel reaches.
+        intra_bus: share of ``intra_node_bandwidth`` a large NCCL collective reaches (bus bandwidth).
+        inter_bus: share of ``inter_node_bandwidth`` likewise across nodes.
+        clock: share of the datasheet clock the part sustains in a training step (its power limit);
+            scales every compute rate, not the peak used for MFU.
+        source: where the numbers come from.
+
+    Example:
+        eff = efficiency("h100"); eff.matmul_share(8192, 4096, 4096)   # 0.79
+    """
+
+    matmul: tuple
+    attention: float
+    hbm: float
+    intra_bus: float
+    inter_bus: float
+    clock: float = 1.0
+    source: str = ""
+
+    def matmul_share(self, m: float, n: float, k: float) -> float:
+        """Share of peak one ``[m, k] @ [k, n]`` GEMM reaches, by its smallest dimension."""
+        import math
+
+        small = max(1.0, min(m, n, k))
+        rows = self.matmul
+        if small <= rows[0][0]:
+            return rows[0][1]
+        for (d0, e0), (d1, e1) in zip(rows, rows[1:]):
+            if small <= d1:
+                t = (math.log(small) - math.log(d0)) / (math.log(d1) - math.log(d0))
+                return e0 + t * (e1 - e0)
+        return rows[-1][1]
+
+
+_HOPPER_MATMUL = ((64, 0.12), (128, 0.25), (256, 0.42), (512, 0.58), (1024, 0.70), (2048, 0.76), (4096, 0.79),
+                  (8192, 0.80))
+_AMPERE_MATMUL = ((64, 0.15), (128, 0.30), (256, 0.50), (512, 0.68), (1024, 0.78), (2048, 0.84), (4096, 0.86),
+                  (8192, 0.87))
+_MAMF = ("largest-shape share: the maximum achievable matmul FLOPS measured by the mamf-finder of "
+         "stas00/ml-engineering (A100 SXM ~268 of 312 TFLOP/s, H100 SXM ~792 of 989); smaller shapes: "
+         "estimated (tile and wave quantization), to be replaced by a measurement on the device")
+_FLASH = ("attention: FlashAttention-2 (the flash kernel of torch's SDPA) causal fwd+bwd, head dim 128, "
+          "long sequences, from the FlashAttention-2 paper (A100, ~190 TFLOP/s) and the FlashAttention-3 "
+          "paper's FA2 baseline on H100 (~330 TFLOP/s)")
+_NCCL = ("buses: nccl-tests bus bandwidth at large sizes, ~80% of NVLink and ~85% of the NIC's line rate; "
+         "hbm: a streaming kernel's ~80% of the datasheet bandwidth")
+
+EFFICIENCY: dict[str, Efficiency] = {
+    "a100": Efficiency(_AMPERE_MATMUL, 0.60, 0.80, 0.80, 0.85, 1.0, f"{_MAMF}; {_FLASH}; {_NCCL}"),
+    "h100": Efficiency(_HOPPER_MATMUL, 0.33, 0.80, 0.80, 0.85, 1.0, f"{_MAMF}; {_FLASH}; {_NCCL}"),
+    # 500 W power limit: the clock share is the run model's one fitted time constant (fitted on
+    # TorchTitan's Llama 3.1 8B FSDP 8 run, docs/plan.md); everything else as h100
+    "h100_96gb": Efficiency(_HOPPER_MATMUL, 0.33, 0.80, 0.80, 0.85, 0.63,
+                            f"{_MAMF}; {_FLASH}; {_NCCL}; clock: fitted (docs/plan.md)"),
+    "h200": Efficiency(_HOPPER_MATMUL, 0.33, 0.80, 0.80, 0.85, 1.0, f"{_MAMF}; {_FLASH}; {_NCCL}"),
+    "b200": Efficiency(_HOPPER_MATMUL, 0.33, 0.80, 0.80, 0.85, 1.0, f"as h200 (not measured); {_NCCL}"),
+    "gb200": Efficiency(_HOPPER_MATMUL, 0.33, 0.80, 0.80, 0.85, 1.0, f"as h200 (not measured); {_NCCL}"),
+}
+"""Achieved shares of peak per bundled profile; other profiles get :data:`DEFAULT_EFFICIENCY`."""
+
+DEFAULT_EFFICIENCY = Efficiency(((1, 1.0),), 1.0, 1.0, 1.0, 1.0, 1.0, "peak rates (no table for this profile)")
+
+
+def efficiency(hw: "Hardware | str") -> Efficiency:
+    """The achieved-rate table of a profile (by name; peak rates where there is none).
+
+        efficiency("h100").attention     # 0.33
+    """
+    name = hw if isinstance(hw, str) else hw.name
+    return EFFICIENCY.get(str(name).lower(), DEFAULT_EFFICIENCY)

@@ -50,6 +50,11 @@ _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 _CONSTANT_COPIES = {aten.lift_fresh_copy.default, aten.lift_fresh.default}
 
+# Arguments an op reads for their shape only (LayerNorm's bias in its backward: the bias gradient
+# is a sum of the output gradient): a stored parameter there is not gathered; an empty replicated
+# stand-in of its shape is passed instead.
+_SHAPE_ONLY_ARGS = {aten.native_layer_norm_backward.default: (6,)}
+
 # Ops whose output can be far larger than a partial-sum input (weight gradients from a partial
 # output gradient): a partial input is reduced before them when that moves fewer bytes.
 _CONTRACTIONS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
@@ -150,7 +155,12 @@ class ShardingInterpreter(torch.fx.Interpreter):
                     args = (*args[:6], args[6].to_local(), *args[7:])  # total_weight: a plain scalar there
                 with private.vocab_parallel_loss():
                     return target(*args, **kwargs)
-            return target(*args, **kwargs)
+            out = target(*args, **kwargs)
+            if target in rules.REDUCE_LIKE_INPUT:  # partial sums reduced onto an input's layout
+                out = type(out)(o.redistribute(self.dmesh, args[rules.REDUCE_LIKE_INPUT[target][i]].placements)
+                                if i in rules.REDUCE_LIKE_INPUT[target] and _has_partial(o) else o
+                                for i, o in enumerate(out))
+            return out
         except NotImplementedError as e:
             raise ShardingError(
                 f"{_where(n)}: torch's DTensor has no sharding rule for {target} with inputs "
@@ -217,6 +227,9 @@ class ShardingInterpreter(torch.fx.Interpreter):
     def _gather_stored(self, n, target, args, kwargs):
         if not self.fsdp_dims:
             return args, kwargs
+        for pos in _SHAPE_ONLY_ARGS.get(target, ()):
+            if pos < len(args) and isinstance(args[pos], DTensor) and n.args[pos] in self.stored_nodes:
+                args = (*args[:pos], self._shape_stand_in(args[pos]), *args[pos + 1:])
         flat, spec = private.tree_flatten((args, kwargs))
         sources = private.tree_leaves((n.args, n.kwargs))
         if len(sources) != len(flat):  # defensive: structure mismatch means no stored inputs here
@@ -244,6 +257,11 @@ class ShardingInterpreter(torch.fx.Interpreter):
                 if self.reuse_gathers:
                     self.gathered[sources[i]] = flat[i]
         return private.tree_unflatten(flat, spec)
+
+    def _shape_stand_in(self, x: DTensor) -> DTensor:
+        """An uninitialized replicated value of ``x``'s global shape (read for its shape only)."""
+        local = torch.empty(x.shape, dtype=x.dtype, device=x.to_local().device)
+        return DTensor.from_local(local, self.dmesh, [Replicate()] * self.dmesh.ndim, run_check=False)
 
     def _reduce_partials(self, n, target, args, kwargs):
         flat, spec = private.tree_flatten((args, kwargs))
@@ -279,12 +297,17 @@ class ShardingInterpreter(torch.fx.Interpreter):
             x = flat[i]
             if not any(isinstance(x.placements[d], Partial) for d in dims):
                 continue
-            # reduce to what the op wants on that mesh dim: a shard (reduce-scatter) or the whole
-            # value (all-reduce); a later consumer that needs more gathers it
+            # reduce to what the op wants on that mesh dim: a shard (reduce-scatter) where the op
+            # meets it with another value sharded on that dim (a ZeRO-3 gradient and its stored
+            # parameter or state), else the whole value (all-reduce): a shard that every later
+            # consumer would gather again costs more than the one all-reduce
+            sharded_by_others = {d for j in tensor_idx if flat[j] is not x
+                                 for d, q in enumerate(flat[j].placements) if isinstance(q, Shard)}
             placements = tuple(
-                (w.placements[d] if isinstance(w.placements[d], Shard) else Replicate())
+                (w.placements[d] if isinstance(w.placements[d], Shard) and d in sharded_by_others else Replicate())
                 if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)
             )
+            placements = _even(placements, dims, x.shape, self.dmesh.shape)
             key = (id(x), placements)
             if key not in done:
                 done[key] = x.redistribute(self.dmesh, list(placements))
@@ -296,6 +319,27 @@ class ShardingInterpreter(torch.fx.Interpreter):
 
     def _replicated(self, t: torch.Tensor) -> DTensor:
         return DTensor.from_local(t, self.dmesh, [Replicate()] * self.dmesh.ndim, run_check=False)
+
+
+def _even(placements: tuple, dims: set, shape, mesh_shape) -> tuple:
+    """``placements`` (a partial sum's, reduced on the mesh dims ``dims``) with each ``Shard``
+    on such a dim made ``Replicate`` where it would either split its tensor dim unevenly (a
+    global batch of 120 rows over 64 ranks) or add itself to a tensor dim some other mesh dim
+    already splits (rows split over dp and fsdp, then over tp too): that sum is all-reduced
+    rather than reduce-scattered, since DTensor's views cannot address shards of unequal size,
+    nor a dim split three ways once it is reshaped."""
+    out = list(placements)
+    for d in sorted(dims):
+        p = out[d]
+        if not isinstance(p, Shard):
+            continue
+        on_dim = [e for e, q in enumerate(out) if isinstance(q, Shard) and q.dim == p.dim]
+        ways = 1
+        for e in on_dim:
+            ways *= mesh_shape[e]
+        if shape[p.dim] % ways or any(e not in dims for e in on_dim):
+            out[d] = Replicate()
+    return tuple(out)
 
 
 def _has_partial(x: DTensor) -> bool:

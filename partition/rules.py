@@ -20,6 +20,11 @@ aten = torch.ops.aten
 
 _registered = False
 
+REDUCE_LIKE_INPUT: dict = {}
+"""op -> {output index: input index}: a partial-sum output is reduced at once onto that input's
+placements (a reduce-scatter where the input is sharded), so a gradient comes back laid out as
+its value was; filled by the modules that register such ops (``partition.context``)."""
+
 
 def register_all() -> None:
     """Register every rule once (idempotent)."""
@@ -29,6 +34,9 @@ def register_all() -> None:
     _registered = True
 
     import shardfn.core.grouped_mm  # noqa: F401  (registers shardfn::grouped_mm)
+    from shardfn.partition.context import register_rules
+
+    REDUCE_LIKE_INPUT.update(register_rules())  # context parallelism: attention over a sequence split on cp
 
     @register_sharding(torch.ops.shardfn.grouped_mm.default)
     def _grouped_mm(x, w, offs):

@@ -25,8 +25,8 @@ def test_every_profile_loads_and_unknown_names_list_the_valid_ones():
         hw = load_hardware(name)
         assert isinstance(hw, Hardware) and hw.name == name and hw.hbm_bytes > 0
     assert load_hardware("h200").hbm_bytes > load_hardware("h100").hbm_bytes
-    with pytest.raises(ValueError, match=r"unknown hardware 'h1000'; valid names are \['b200', 'cpu', 'gb200', "
-                                         r"'h100', 'h200'\]"):
+    with pytest.raises(ValueError, match=r"unknown hardware 'h1000'; valid names are \['a100', 'b200', 'cpu', "
+                                         r"'gb200', 'h100', 'h100_96gb', 'h200'\]"):
         load_hardware("h1000")
 
 

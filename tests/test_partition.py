@@ -264,6 +264,24 @@ def test_a_partial_sum_used_twice_is_reduced_once(clean_process_group):
     assert rows == [{"op": "all_reduce", "axis": "tp", "bytes": 8 * 16 * 4, "count": 1}]
 
 
+def test_a_partial_sum_is_reduce_scattered_only_onto_even_unsplit_dims(clean_process_group):
+    def f(w1, w2, x):
+        y = (x @ w1) @ w2                      # row-parallel: a partial sum over tp
+        return torch.exp(y).reshape(-1).sum()  # exp would take it as a shard of rows
+
+    def rows(axes, x_spec, batch):
+        mesh = sf.Mesh(axes, fake=True)
+        return sf.jit(f, mesh, in_specs=(P(None, "tp"), P("tp", None), x_spec), out_specs=P(), backend=None).lower(
+            torch.randn(16, 32), torch.randn(32, 16), torch.randn(batch, 16)).comm_report()
+
+    # rows already split over dp are not split over tp as well (6 rows over dp x tp would be
+    # shards of 2 and 1 rows, which the reshape cannot address): one all-reduce of the dp shard
+    for batch in (8, 6):
+        reduced = rows({"dp": 2, "tp": 2}, P("dp"), batch)
+        assert {"op": "all_reduce", "axis": "tp", "bytes": batch // 2 * 16 * 4, "count": 1} in reduced
+        assert not any(r["op"] == "reduce_scatter" for r in reduced)
+
+
 def test_strided_shards_are_shown_as_such():
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -271,3 +289,238 @@ def test_strided_shards_are_shown_as_such():
 
     assert describe([_StridedShard(1, split_factor=2), Shard(0)], ["tp", "dp"]) == "tp:S(1,strided 2) dp:S(0)"
     assert describe([Replicate(), Replicate()], ["tp", "dp"]) == "R"
+
+
+# ------------------------------------------------------------------ specs of a state that mirrors the parameters
+
+
+def _adamw_state():
+    from shardfn.core import optim
+
+    params = {"wte": torch.zeros(8, 4), "h": {"w": torch.zeros(4, 4), "b": torch.zeros(4)}}
+    specs = {"wte": P("tp"), "h": {"w": P(None, "tp"), "b": None}}
+    opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(1e-3))
+    return params, specs, opt.init(params)
+
+
+def test_specs_like_gives_moments_the_param_specs_and_scalars_p():
+    from shardfn.core.optim import ClipByGlobalNormState, EmptyState, ScaleByAdamState, ScaleByLearningRateState
+
+    _, specs, state = _adamw_state()
+    ps = {"wte": P("tp"), "h": {"w": P(None, "tp"), "b": P()}}
+    assert sf.specs_like(state, specs) == (ClipByGlobalNormState(P()), (ScaleByAdamState(P(), ps, ps), EmptyState(),
+                                                                         ScaleByLearningRateState(P(), P())))
+
+
+def test_specs_like_refuses_a_single_spec():
+    _, _, state = _adamw_state()
+    with pytest.raises(TypeError, match=r"param_specs must be the parameters' spec tree.*the single spec P\('tp'\)"):
+        sf.specs_like(state, P("tp"))
+
+
+def test_a_wrong_state_spec_tree_prints_structure_not_values():
+    params, specs, state = _adamw_state()
+    wrong = (P(), ({"mu": specs}, P(), P()))  # a dict where the state has a ScaleByAdamState
+    with pytest.raises(ValueError) as e:
+        broadcast_specs((specs, wrong), (params, state))
+    text = str(e.value)
+    assert "float32[8, 4]" in text and "count=int32[]" in text and "tensor(" not in text
+
+
+# ------------------------------------------------------------------ a custom op with its own backward and sharding rule
+
+
+@torch.library.custom_op("shardfn_test::scaled_tanh", mutates_args=())
+def _scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@_scaled_tanh.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _scaled_tanh_backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return grad * (ctx.scale - y * y / ctx.scale), None  # d(s tanh x)/dx = s (1 - tanh^2 x)
+
+
+scaled_tanh = sf.register_autograd(_scaled_tanh, _scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
+def _elementwise_rule(x, scale):
+    # any one sharding of x carries through (a partial sum is reduced first: tanh is not linear)
+    return [([Replicate()], [Replicate(), None])] + [([Shard(d)], [Shard(d), None]) for d in range(x.ndim)]
+
+
+def _scaled_tanh_loss(w, x):
+    return scaled_tanh(x @ w, 2.0).square().mean()
+
+
+def test_custom_op_under_value_and_grad_and_sf_jit(fake_mesh):
+    from torch.distributed.tensor.experimental import register_sharding
+
+    from shardfn.core.transforms import value_and_grad
+
+    register_sharding(torch.ops.shardfn_test.scaled_tanh.default)(_elementwise_rule)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
+    wr = w.clone().requires_grad_()
+    expected = torch.autograd.grad(((torch.tanh(x @ wr) * 2.0).square().mean()), wr)[0]
+    loss, grad = value_and_grad(_scaled_tanh_loss)(w, x)                          # eager autograd
+    func_grad, func_loss = torch.func.grad_and_value(_scaled_tanh_loss)(w, x)     # torch.func
+    torch.testing.assert_close(grad, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(func_grad, expected, rtol=1e-6, atol=1e-7)
+    lowered = sf.jit(value_and_grad(_scaled_tanh_loss), fake_mesh, in_specs=(P(), P("dp")),
+                     out_specs=(P(), P()), backend=None).lower(w, x)
+    assert "shardfn_test.scaled_tanh.default(mm, 2.0) [4, 8] : dp:S(0)" in lowered.as_text()
+    # the loss and the weight's gradient, partial sums over dp: one all-reduce each
+    assert lowered.comm_report() == [{"op": "all_reduce", "axis": "dp", "bytes": 4 + 8 * 8 * 4, "count": 2}]
+
+
+# ------------------------------------------------------------------ LayerNorm's bias, unnamed reports, announcements
+
+
+def _ln_loss(p, x):
+    h = F.layer_norm(x, (16,), p["ln_w"], p["ln_b"])  # [4, 16]
+    return (h @ p["w"]).square().mean()
+
+
+def _ln_step(p, x):
+    g = torch.func.grad(_ln_loss)(p, x)
+    return {k: p[k] - 0.1 * g[k] for k in p}
+
+
+LN_SPECS = {"ln_w": P("fsdp"), "ln_b": P("fsdp"), "w": P("fsdp")}
+
+
+def _ln_data():
+    g = torch.Generator().manual_seed(0)
+    return ({"ln_w": 1 + 0.1 * torch.randn(16, generator=g), "ln_b": torch.randn(16, generator=g),
+             "w": torch.randn(16, 8, generator=g)}, torch.randn(4, 16, generator=g))
+
+
+def _ln_jit(mesh, **kwargs):
+    return sf.jit(_ln_step, mesh, in_specs=(LN_SPECS, P("fsdp")), out_specs=LN_SPECS, fsdp_argnums=(0,),
+                  backend=None, **kwargs)
+
+
+def test_layer_norm_bias_is_not_gathered_for_its_backward(clean_process_group, monkeypatch):
+    from shardfn.partition import propagate
+
+    mesh = sf.Mesh({"fsdp": 2}, fake=True)
+    rows = _ln_jit(mesh).lower(*_ln_data()).comm_report()
+    # forward: ln_w, ln_b (64 B each), w (512 B); backward: ln_w (read by d_input) and w, not ln_b
+    assert rows[0] == {"op": "all_gather", "axis": "fsdp", "bytes": 3 * 64 + 2 * 512, "count": 5}
+    monkeypatch.setattr(propagate, "_SHAPE_ONLY_ARGS", {})
+    gathered_bias = _ln_jit(mesh).lower(*_ln_data()).comm_report()
+    assert gathered_bias[0] == {"op": "all_gather", "axis": "fsdp", "bytes": 4 * 64 + 2 * 512, "count": 6}
+
+
+def _ln_worker():
+    p, x = _ln_data()
+    new_p = _ln_jit(sf.Mesh({"fsdp": 2}))(p, x)
+    return {k: v.full_tensor() for k, v in new_p.items()}
+
+
+def test_layer_norm_without_its_bias_gathered_matches_one_device():
+    ref = _ln_step(*_ln_data())
+    for rank in spawn(_ln_worker, 2, timeout_s=120):
+        for k in ref:
+            torch.testing.assert_close(rank[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_memory_report_without_arg_names_has_grads(clean_process_group):
+    report = _ln_jit(sf.Mesh({"fsdp": 2}, fake=True)).lower(*_ln_data()).memory_report()
+    params = (16 + 16 + 16 * 8) * 4 // 2  # the fsdp_argnums argument, sharded over 2
+    assert (report["arg0"], report["grads"], report["arg1"]) == (params, params, 4 * 16 * 4 // 2)
+
+
+def test_first_lowering_and_compile_are_announced_with_their_time(clean_process_group, capsys, caplog):
+    import logging
+
+    mesh = sf.Mesh({"fsdp": 2}, fake=True)
+    _ln_jit(mesh, verbose=True).lower(*_ln_data())
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("sf.jit: lowered _ln_step for Mesh(fsdp=2, fake) in ") and line.endswith(
+        " s (8 collectives)")
+    with caplog.at_level(logging.INFO, logger="shardfn.jit"):
+        jitted = _ln_jit(mesh)
+        jitted.lower(*_ln_data())
+        jitted.lower(*_ln_data())  # cached: said once
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == ["sf.jit: lowered _ln_step for Mesh(fsdp=2, "
+                                                                           "fake)"]
+    assert capsys.readouterr().err == ""  # not verbose: nothing printed
+
+
+# ------------------------------------------------------------------ a fused qkv projection split over tp
+
+QKV_D, QKV_H = 16, 4
+
+
+def _qkv_loss(p, x, head_major):
+    qkv = x @ p["qkv"]                                                        # [B, 3D]
+    if head_major:  # columns ordered (head, q/k/v, head_dim): a tp shard holds whole heads
+        q, k, v = qkv.view(x.shape[0], QKV_H, 3, QKV_D // QKV_H).unbind(2)  # [B, H, hd] each
+        y = (q * k + v).reshape(x.shape[0], QKV_D)
+    else:           # columns ordered (q/k/v, head, head_dim): a tp shard holds q and half of k
+        q, k, v = qkv.split(QKV_D, dim=-1)                                    # [B, D] each
+        y = q * k + v
+    return (y @ p["o"]).square().mean()
+
+
+def _qkv_step(head_major):
+    def step(p, x):
+        g = torch.func.grad(_qkv_loss)(p, x, head_major)
+        return {k: p[k] - 0.1 * g[k] for k in p}
+
+    return step
+
+
+QKV_SPECS = {"qkv": P(None, "tp"), "o": P("tp")}
+
+
+def _qkv_data():
+    g = torch.Generator().manual_seed(0)
+    return ({"qkv": torch.randn(QKV_D, 3 * QKV_D, generator=g), "o": torch.randn(QKV_D, QKV_D, generator=g)},
+            torch.randn(4, QKV_D, generator=g))
+
+
+def _qkv_lowered(mesh, head_major):
+    return sf.jit(_qkv_step(head_major), mesh, in_specs=(QKV_SPECS, P()), out_specs=QKV_SPECS,
+                  backend=None).lower(*_qkv_data())
+
+
+def test_fused_qkv_split_gathers_only_when_the_layout_needs_it(clean_process_group):
+    mesh = sf.Mesh({"tp": 2}, fake=True)
+    # head-major: q, k, v of a shard's heads are on that shard; Megatron's one all-reduce of [B, D]
+    assert _qkv_lowered(mesh, True).comm_report() == [{"op": "all_reduce", "axis": "tp", "bytes": 4 * 16 * 4,
+                                                       "count": 1}]
+    # qkv-major: the [B, 3D] projection is gathered before the split, and the text says so
+    lowered = _qkv_lowered(mesh, False)
+    assert {"op": "all_gather", "axis": "tp", "bytes": 1536, "count": 4} in lowered.comm_report()
+    lines = lowered.as_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("split = aten.split.Tensor"))
+    assert lines[at + 1:at + 3] == ["    ^ all_gather[tp] 768 B",
+                                    "    ! split of a value sharded along the split dim: gathered first (768 B); lay "
+                                    "the fused dim out head-major ([..., heads, 3, head_dim], then unbind) to split "
+                                    "without communication"]
+
+
+def _qkv_worker():
+    p, x = _qkv_data()
+    new_p = sf.jit(_qkv_step(True), sf.Mesh({"tp": 2}), in_specs=(QKV_SPECS, P()), out_specs=QKV_SPECS,
+                   backend=None)(p, x)
+    return {k: v.full_tensor() for k, v in new_p.items()}
+
+
+def test_head_major_qkv_on_tp2_matches_one_device():
+    ref = _qkv_step(True)(*_qkv_data())
+    for rank in spawn(_qkv_worker, 2, timeout_s=120):
+        for k in ref:
+            torch.testing.assert_close(rank[k], ref[k], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,221 @@
+"""Communication hidden behind compute (partition/overlap.py, the MoE layer's shared experts).
+
+Program order: in the lowered fsdp2 step of llama_tiny each layer's all-gathers are issued
+before the previous layer's compute (forward and backward), within the memory bound; the MoE
+layer hands its shared experts to the expert-parallel region, which issues the dispatch before
+they run. Results: bitwise (fp32) those of the unscheduled program on 2 gloo ranks.
+"""
+
+import pytest
+import torch
+from parity import BASE
+
+from shardfn import models
+from shardfn.config import load_config
+from shardfn.core.pytree import tree_leaves
+from shardfn.partition import overlap as ov
+from shardfn.runtime import data
+from shardfn.runtime.build import build_step
+from shardfn.runtime.param_source import abstract
+
+FSDP = ["train.batch_size=8", "train.seq_len=32", "mesh.fsdp=2", "model.n_layers=4"]
+
+
+def _lowered(config, overrides):
+    from shardfn.plan.profile import lower_step
+
+    return lower_step(load_config(config, overrides)).graph_module
+
+
+def _gathers_by_layer(gm):
+    """``{(phase, layer): (last issue, first use)}`` of the stacked weights' all-gathers: phase 0
+    is a weight's first gather (forward), 1 its second (the backward's re-gather)."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    seen: dict = {}
+    out: dict = {}
+    for node in gm.graph.nodes:
+        if not ov.is_collective(node) or "all_gather" not in node.target._opname:
+            continue
+        tag = ov.layer_of(node.args[0])
+        if tag is None:
+            continue
+        phase = seen.setdefault(node.args[0], 0)
+        seen[node.args[0]] += 1
+        (wait,) = node.users
+        use = min(pos[u] for u in wait.users)
+        issue, first = out.get((phase, tag[1]), (-1, len(pos)))
+        out[(phase, tag[1])] = (max(issue, pos[node]), min(first, use))
+    return out
+
+
+def _prefetched(gm, n_layers):
+    """Whether each layer's gathers are all issued before the previous layer's first use of its
+    own gathered weights: layer i before layer i-1 forward, layer i before layer i+1 backward."""
+    g = _gathers_by_layer(gm)
+    forward = all(g[(0, i)][0] < g[(0, i - 1)][1] for i in range(1, n_layers))
+    backward = all(g[(1, i)][0] < g[(1, i + 1)][1] for i in range(n_layers - 1))
+    return forward, backward
+
+
+def test_fsdp2_gathers_are_issued_one_layer_ahead(clean_process_group):
+    plain = _lowered("llama_tiny", FSDP)
+    assert _prefetched(plain, 4) == (False, False)  # issued where used, waited on at once
+    gm = _lowered("llama_tiny", FSDP + ["partition.overlap=true"])
+    assert _prefetched(gm, 4) == (True, True)
+    # every collective is still waited on, before its first use, in the same order on every rank
+    plain_order = [n.target for n in plain.graph.nodes if ov.is_collective(n)]
+    assert [n.target for n in gm.graph.nodes if ov.is_collective(n)] == plain_order
+    assert all(w > i for _, i, w in ov.issue_order(gm))
+    # one layer of llama_tiny, gathered: wq wo [64, 64], wk wv [64, 32], w1 w3 w2 [64, 256] (fp32;
+    # the norms are replicated)
+    dim, ffn, kv = 64, 256, 32
+    assert ov.layer_bytes(gm) == 4 * (dim * dim * 2 + dim * kv * 2 + dim * ffn * 3) == 245760
+    assert ov.default_max_bytes(gm) == 2 * ov.layer_bytes(gm)
+
+
+def _early_bytes_peak(plain, gm):
+    """The most bytes of all-gather outputs issued ahead of where ``plain`` issues them, at once:
+    counted in compute nodes (non-views) run before each issue, which reordering keeps apart."""
+    def compute_before(g):
+        out, count = {}, 0
+        for n in g.graph.nodes:
+            if ov.is_collective(n):
+                out[n.name] = count
+            elif n.op == "call_function" and not ov.is_wait(n) and not ov._is_view(n):
+                count += 1
+        return out, count
+
+    before, total = compute_before(plain)
+    after, _ = compute_before(gm)
+    cost = {n.name: ov.early_cost(n) for n in gm.graph.nodes if ov.is_collective(n)}
+    held = [0] * (total + 1)
+    for name, at in after.items():
+        for p in range(at, before[name]):
+            held[p] += cost[name]
+    return max(held)
+
+
+@pytest.mark.parametrize("layers", [0, 1])
+def test_memory_bound_holds(layers, clean_process_group):
+    plain = _lowered("llama_tiny", FSDP)
+    one_layer = ov.layer_bytes(plain)
+    gm = ov.overlap(_lowered("llama_tiny", FSDP), max_bytes=layers * one_layer)
+    peak = _early_bytes_peak(plain, gm)
+    assert peak <= layers * one_layer
+    assert (peak > 0) == (layers > 0)  # 0: no gather moves ahead of its compute
+    with pytest.raises(ValueError, match="max_bytes=-1 must be >= 0"):
+        ov.overlap(gm, max_bytes=-1)
+
+
+def test_moe_layer_hands_its_shared_experts_to_the_exchange(clean_process_group):
+    from shardfn.plan.profile import lower_step
+
+    lowered = lower_step(load_config("moe_tiny", ["train.batch_size=8", "train.seq_len=32", "mesh.ep=2"]))
+    gm = lowered.graph_module
+    ep = [n for n in gm.graph.nodes if n.op == "call_function" and "ep_experts" in str(n.target)]
+    forward = [n for n in ep if "backward" not in str(n.target)]
+    assert len(forward) == 2  # moe_tiny's two MoE layers
+    assert all(all(a is not None for a in n.args[6:9]) for n in ep)  # s1, s2, s3 go in
+
+    def matmuls_reading(node, seen):  # shared weights never meet an aten matmul outside the region
+        if node in seen:
+            return 0
+        seen.add(node)
+        if node.op == "call_function" and getattr(node.target, "_overloadpacket", None) in (
+                torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.matmul):
+            return 1
+        if node.op == "call_function" and "ep_experts" in str(node.target):
+            return 0
+        return sum(matmuls_reading(u, seen) for u in node.users)
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    paths = dict(zip(placeholders, lowered.traced.in_paths))
+    shared = {n: p for n, p in paths.items() if p.startswith("0.moe_layers.shared.")}  # params, not opt state
+    assert sorted(shared.values()) == ["0.moe_layers.shared.w1", "0.moe_layers.shared.w2", "0.moe_layers.shared.w3"]
+    assert sum(matmuls_reading(n, set()) for n in shared) == 0
+
+
+# ----------------------------------------------------------------------------- 2 gloo ranks
+
+
+def _run(config, overrides, steps=3):
+    cfg = load_config(config, [*BASE, *overrides])
+    model = models.get(cfg.model_name)
+    step = build_step(cfg, model, abstract(model.init(cfg.model, 0, device="meta"), "cpu"))
+    params, state = step.place(model.init(cfg.model, cfg.train.seed))
+    tokens = data.from_config(cfg.data)
+    losses = []
+    for s in range(steps):
+        batch = data.get_batch(tokens, s, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0)
+        params, state, m = step(params, state, batch)
+        losses.append(m["loss"])
+    return step.full_params(params), torch.stack(losses)
+
+
+def _shared_outside():
+    """Patches that restore the layer's old order: the shared experts after the routed ones,
+    outside the exchange. Returns the undo."""
+    from shardfn.models import moe
+    from shardfn.runtime import moe_dispatch
+
+    init, handover = moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch
+
+    def no_shared(self, *args, shared=False, **kwargs):
+        init(self, *args, shared=False, **kwargs)
+
+    moe_dispatch.ExpertRegion.__init__ = no_shared
+    moe.shared_behind_dispatch = lambda p, experts=None: (p, experts)
+
+    def undo():
+        moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch = init, handover
+    return undo
+
+
+def _order_of_exchange_and_shared():
+    """Records the order of the exchange's all-to-alls and the shared experts' SwiGLU."""
+    from shardfn.runtime import moe_dispatch
+
+    events, a2a, swiglu = [], moe_dispatch._a2a, moe_dispatch._swiglu
+
+    def recorded_a2a(*args, async_op=False, **kwargs):
+        events.append("dispatch issued" if async_op else "a2a")
+        return a2a(*args, async_op=async_op, **kwargs)
+
+    def recorded_swiglu(*args):
+        events.append("shared")
+        return swiglu(*args)
+
+    moe_dispatch._a2a, moe_dispatch._swiglu = recorded_a2a, recorded_swiglu
+    return events
+
+
+def _worker(runs):
+    out = []
+    for config, overrides, old_order in runs:
+        undo = _shared_outside() if old_order else (lambda: None)
+        events = _order_of_exchange_and_shared() if "mesh.ep=2" in overrides and not old_order else []
+        try:
+            params, losses = _run(config, overrides)
+        finally:
+            undo()
+        out.append({"params": params, "losses": losses, "events": events})
+    return out
+
+
+@pytest.mark.slow  # about 45 s: four 3-step runs on 2 gloo ranks
+def test_overlapped_programs_are_bitwise_the_plain_ones():
+    from shardfn.runtime.launch import spawn
+
+    # pairs (before, after): fsdp2 without and with the pass; ep2 with the shared experts after
+    # the routed ones and no pass, against the shared experts in the exchange and the pass
+    runs = [("llama_tiny", ["mesh.fsdp=2"], False), ("llama_tiny", ["mesh.fsdp=2", "partition.overlap=true"], False),
+            ("moe_tiny", ["mesh.ep=2"], True), ("moe_tiny", ["mesh.ep=2", "partition.overlap=true"], False)]
+    out = spawn(_worker, 2, args=(runs,), timeout_s=600)
+    for rank in out:
+        for ref, got in zip(rank[::2], rank[1::2]):
+            assert torch.equal(got["losses"], ref["losses"])
+            assert all(torch.equal(a, b) for a, b in zip(tree_leaves(got["params"]), tree_leaves(ref["params"])))
+        # each MoE layer's forward: dispatch issued, shared experts while it flies, then the combine;
+        # its backward: the two gradient exchanges, then the shared experts' vjp (3 steps, 2 layers)
+        step = ["dispatch issued", "shared", "a2a"] * 2 + ["a2a", "a2a", "shared"] * 2
+        assert rank[3]["events"] == step * 3, rank[3]["events"]
