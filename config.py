@@ -34,7 +34,18 @@ import yaml
 
 from shardfn.core.precision import DTYPES, PRECISIONS
 from shardfn.core.units import parse_bytes
-from shardfn.partition.layouts import DEFAULT_RULES, LOGICAL_AXES, MESH_AXES, check_batch, data_size
+from shardfn.partition.bucket import DEFAULT_BUCKET_BYTES
+from shardfn.partition.layouts import (
+    AXIS_ORDER,
+    DEFAULT_RULES,
+    LOGICAL_AXES,
+    check_batch,
+    check_seq,
+    data_size,
+    mesh_axes,
+    resolve_rules,
+    seq_split,
+)
 from shardfn.partition.remat import POLICIES as REMAT_POLICIES
 from shardfn.partition.schedules import SCHEDULES, canonical_name
 from shardfn.partition.spec import entry_axes
@@ -55,19 +66,21 @@ class MeshConfig:
     pp: int = 1  # pipeline stages
     dp: int = 1  # data parallel (replicated parameters)
     fsdp: int = 1  # fully sharded data parallel (ZeRO-3)
+    cp: int = 1  # context parallel: the sequence split (partition.context)
     ep: int = 1  # expert parallel
     tp: int = 1  # tensor parallel
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.ep * self.tp
+        return self.pp * self.dp * self.fsdp * self.cp * self.ep * self.tp
 
     def axes(self) -> dict[str, int]:
-        """``{"pp": .., "dp": .., "fsdp": .., "ep": .., "tp": ..}``, major to minor (for ``sf.Mesh``)."""
-        return {name: getattr(self, name) for name in MESH_AXES}
+        """``{"pp": .., "dp": .., "fsdp": .., "ep": .., "tp": ..}``, major to minor (for ``sf.Mesh``),
+        with ``"cp"`` after ``fsdp`` when it is > 1 (``partition.layouts.mesh_axes``)."""
+        return mesh_axes({name: getattr(self, name) for name in AXIS_ORDER})
 
     def validate(self) -> None:
-        for name in MESH_AXES:
+        for name in AXIS_ORDER:
             _check(getattr(self, name) >= 1, f"mesh.{name}", "must be >= 1", getattr(self, name))
 
 
@@ -108,7 +121,10 @@ class TrainConfig:
     grad_clip: Union[float, None] = 1.0  # max global gradient norm; null disables clipping
     seed: int = 0  # parameter init and batch order
     log_every: int = 10
-    compile: bool = False  # torch.compile the training step
+    # torch.compile on one device: true or "regional" compiles one layer once and runs it for every layer
+    # (core/regional.py; first step ~ one layer's compile), "whole" the whole step as one graph; under a
+    # mesh, any of them compiles each rank's program with inductor
+    compile: Union[bool, str] = False
     init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf.py)
     nonfinite: str = "raise"  # a NaN/Inf loss or grad_norm: "raise" stops the run, "skip" skips that update
     precision: str = "fp32"  # "bf16": fp32 master weights and optimizer state, bf16 compute (core/precision.py)
@@ -136,6 +152,8 @@ class TrainConfig:
                self.precision)
         _check(self.reduce_dtype in DTYPES, "train.reduce_dtype", f"must be one of {', '.join(DTYPES)}",
                self.reduce_dtype)
+        _check(self.compile in (False, True, "regional", "whole"), "train.compile",
+               "must be false, true, regional or whole", self.compile)
         _check(self.remat in REMAT_POLICIES, "train.remat", f"must be one of {', '.join(REMAT_POLICIES)}", self.remat)
         self.checkpoint.validate()
 
@@ -169,10 +187,26 @@ class PartitionConfig:
     # fsdp: re-gather parameters for the backward (true) or keep the forward's gathered copies
     # (false: under pp, once per step for all microbatches); null: false under pp, else true
     reshard_after_forward: Union[bool, None] = None
+    # gradient all-reduces / reduce-scatters coalesced into buckets of this many bytes (YAML may
+    # say "25MiB"); 0 or null: one collective per tensor. 25 MiB is DDP's bucket_cap_mb default
+    bucket_bytes: Union[int, None] = DEFAULT_BUCKET_BYTES
+    # collectives issued as early as their inputs allow and waited on at first use
+    # (partition/overlap.py); overlap_bytes bounds the gathered bytes issued ahead ("64MiB";
+    # null: two layers' worth, FSDP's prefetch of one layer ahead)
+    overlap: bool = False
+    overlap_bytes: Union[int, None] = None
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):
             self.memory_budget = parse_bytes(self.memory_budget, "partition.memory_budget")
+        if isinstance(self.overlap_bytes, str):
+            self.overlap_bytes = parse_bytes(self.overlap_bytes, "partition.overlap_bytes")
+        _check(self.overlap_bytes is None or self.overlap_bytes >= 0, "partition.overlap_bytes",
+               "must be >= 0 or null (null: two layers of gathered weights)", self.overlap_bytes)
+        if isinstance(self.bucket_bytes, str):
+            self.bucket_bytes = parse_bytes(self.bucket_bytes, "partition.bucket_bytes")
+        _check(self.bucket_bytes is None or self.bucket_bytes >= 0, "partition.bucket_bytes",
+               "must be >= 0 or null (0 or null: no bucketing)", self.bucket_bytes)
         _check(self.memory_budget is None or self.memory_budget > 0, "partition.memory_budget",
                "must be > 0 or null", self.memory_budget)
         _check(self.reshard_after_forward in (None, True, False), "partition.reshard_after_forward",
@@ -421,8 +455,8 @@ def _build_rules(section: dict) -> dict:
             raise ValueError(f"unknown config key 'rules.{logical}'; valid logical axes: {', '.join(LOGICAL_AXES)}")
         names = _rule_names(target, f"rules.{logical}")
         for n in names:
-            if n not in MESH_AXES:
-                raise ValueError(f"rules.{logical}: unknown mesh axis {n!r}; valid mesh axes: {', '.join(MESH_AXES)}")
+            if n not in AXIS_ORDER:
+                raise ValueError(f"rules.{logical}: unknown mesh axis {n!r}; valid mesh axes: {', '.join(AXIS_ORDER)}")
         if len(set(names)) != len(names):
             raise ValueError(f"rules.{logical} names a mesh axis twice: {target!r}")
         rules[logical] = list(target) if isinstance(target, (list, tuple)) else target
@@ -479,7 +513,8 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return float(value)
         if t is str and isinstance(value, str):
             return value
-    if key == "partition.memory_budget" and isinstance(value, str):
+    if key in ("partition.memory_budget", "partition.bucket_bytes",
+               "partition.overlap_bytes") and isinstance(value, str):
         return value  # "40GiB": parsed by PartitionConfig.validate
     if str in options and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
@@ -498,3 +533,5 @@ def _a(noun: str) -> str:
 def _validate_run(cfg: RunConfig) -> None:
     check_batch(cfg.train.batch_size, cfg.data_parallel_size, cfg.pipeline.microbatches,
                 data_axes=entry_axes(cfg.rules.get("batch")))
+    axes = cfg.mesh.axes()
+    check_seq(cfg.train.seq_len, seq_split(resolve_rules(cfg.rules, axes), axes))

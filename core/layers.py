@@ -13,6 +13,9 @@ Conventions (see docs/architecture.md):
   interleaved convention (pairs ``(2i, 2i+1)``); load those with ``wq``/``wk`` columns permuted
   as Hugging Face's conversion script does.
 
+Each layer carries a profiler label (:func:`scope`, ``shardfn.rms_norm``, ``shardfn.layer.3``)
+while a profiler records; otherwise, and under ``torch.compile``, the labels are not there at all.
+
 RoPE scaling (:class:`RopeScaling`) stretches a model past the context it was pretrained on:
 ``llama3`` (Llama 3.1-3.3) and ``yarn`` (DeepSeek-V3, Kimi-K2) rescale the inverse frequencies
 (:func:`rope_inv_freq`); ``yarn`` also scales the tables by a magnitude factor and, in DeepSeek's
@@ -25,19 +28,62 @@ definitions of Hugging Face transformers (``modeling_rope_utils``) and DeepSeek-
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from shardfn.core.pytree import PyTree, tree_flatten, tree_unflatten
+from shardfn.core.transforms import eager
+
 __all__ = [
-    "linear", "embedding", "rms_norm", "RopeScaling", "ROPE_SCALINGS", "yarn_mscale", "rope_inv_freq",
-    "rope_softmax_factor", "rope_tables", "apply_rope", "attention",
-    "gqa_attention", "mla_attention", "swiglu",
+    "scope", "unstack", "linear", "embedding", "rms_norm", "RopeScaling", "ROPE_SCALINGS", "yarn_mscale",
+    "rope_inv_freq", "rope_softmax_factor", "rope_tables", "apply_rope", "attention",
+    "gqa_attention", "mla_attention", "swiglu", "rope_at", "causal_attention",
 ]
+
+
+def scope(name: str) -> contextlib.AbstractContextManager:
+    """``torch.profiler.record_function(name)`` while a profiler records, else a no-op context.
+
+    An unused label still costs an op call per layer per step, and under ``torch.compile`` it
+    would split the graph; so it is there only when someone looks.
+
+    Example:
+        with scope("shardfn.layer.0"):
+            h = block(p, h)
+    """
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    from shardfn.core._torch_private import profiler_enabled
+
+    return record_function(name) if profiler_enabled() else contextlib.nullcontext()
+
+
+def unstack(tree: PyTree, n: int) -> Iterator[PyTree]:
+    """The ``n`` layers of a stacked parameter tree (every leaf ``[n, ...]``), in order, each a
+    tree of its slices: ``tree_map(lambda w: w[i], tree)`` for ``i`` in ``range(n)``.
+
+    Eagerly (``core.transforms.eager``, plain tensors) each leaf is unbound once, so the
+    backward stacks the layers' gradients in one op instead of adding ``n`` full-size,
+    zero-filled ones (what ``w[i]``'s backward makes). Traced (``make_fx``, ``torch.compile``) or inside a
+    ``torch.func`` transform each slice is ``w[i]``, ``select(w, 0, i)``: the partitioner finds
+    a layer's parameters by it (the pipeline split, remat). The values are the same either way.
+
+    Example:
+        for p in unstack(params["layers"], cfg.n_layers):
+            h = block(p, h, cos, sin, cfg)
+    """
+    leaves, treedef = tree_flatten(tree)
+    if eager() and all(type(w) is torch.Tensor and w.shape[0] == n for w in leaves):
+        per_leaf = [torch.unbind(w, 0) for w in leaves]
+        return (tree_unflatten(treedef, [s[i] for s in per_leaf]) for i in range(n))
+    return (tree_unflatten(treedef, [w[i] for w in leaves]) for i in range(n))  # each layer's slices as it comes
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,7 +117,7 @@ def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     Example:
         h = embedding(torch.randn(256, 64), torch.tensor([[1, 2, 3]]))  # [1, 3, 64]
     """
-    with record_function("shardfn.embedding"):
+    with scope("shardfn.embedding"):
         return F.embedding(tokens, table)
 
 
@@ -89,10 +135,49 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
     Example:
         y = rms_norm(torch.randn(2, 3, 8), torch.ones(8))  # each row has RMS ~1
     """
-    with record_function("shardfn.rms_norm"):
+    with scope("shardfn.rms_norm"):
+        if _RMSNorm.applies(x, w):
+            return _RMSNorm.apply(x, w, eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return normed.to(x.dtype) * w
+
+
+class _RMSNorm(torch.autograd.Function):
+    """:func:`rms_norm` with its backward written out: the same ops autograd runs for it, to the
+    bit, less three full-size ones. Autograd's ``pow`` backward makes ``x ** 1``, ``2 * x`` and
+    ``grad * (2 * x)``, with ``grad`` the mean's gradient expanded over the row; here that is one
+    ``x * (2 * c)`` with ``c`` the row's value (the same product: doubling is exact), and the
+    mean's expansion is not made at all. Used eagerly only: traced graphs keep the plain ops."""
+
+    @staticmethod
+    def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Eagerly, on plain tensors of one dtype, when a gradient is wanted."""
+        return (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad) and type(x) is torch.Tensor
+                and type(w) is torch.Tensor and x.dtype == w.dtype and eager())
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        x32 = x.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)                   # [..., 1]
+        n = (x32 * r).to(x.dtype)
+        ctx.save_for_backward(x32, r, n, w)
+        return n * w
+
+    @staticmethod
+    def backward(ctx, g):
+        x32, r, n, w = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (g * n).sum_to_size(w.shape)                                   # as MulBackward0
+        if ctx.needs_input_grad[0]:
+            grad_n = (g * w).to(x32.dtype)
+            grad_r = (grad_n * x32).sum(-1, keepdim=True)                           # [..., 1]
+            grad_ms = -0.5 * grad_r * r.pow(3)                                      # as RsqrtBackward0
+            per_elem = grad_ms / x32.shape[-1]                                      # as MeanBackward1, per row
+            grad_x = grad_n.mul_(r).add_(x32 * (2.0 * per_elem))                    # the product's share + the square's
+            grad_x = grad_x.to(n.dtype)                                             # x.float()'s backward
+        return grad_x, grad_w, None
 
 
 ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
@@ -312,7 +397,8 @@ def rope_tables(
         device, dtype: of the returned tables.
 
     Returns:
-        ``(cos, sin)``, each ``[S, D]``.
+        ``(cos, sin)``, each ``[S, D]``. Eagerly (``core.transforms.eager``) they are built once
+        per set of arguments and shared by later calls: read them, do not write to them.
 
     Example:
         cos, sin = rope_tables(16, 8, 10000.0)
@@ -320,6 +406,22 @@ def rope_tables(
     """
     if dim % 2:
         raise ValueError(f"rope_tables: dim must be even, got {dim}")
+    if eager():
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        return _cached_rope_tables(seq_len, dim, float(theta), scaling, device, dtype)
+    return _rope_tables(seq_len, dim, theta, scaling, device, dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_rope_tables(seq_len: int, dim: int, theta: float, scaling: RopeScaling | None,
+                        device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_tables` built once per ``(seq_len, dim, theta, scaling, device, dtype)``:
+    eager forwards share them (read-only; ``apply_rope`` never writes to them)."""
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors, usable by autograd later
+        return _rope_tables(seq_len, dim, theta, scaling, device, dtype)
+
+
+def _rope_tables(seq_len, dim, theta, scaling, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = rope_inv_freq(dim, theta, scaling, device=device)                                     # [D/2]
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)       # [S, D/2]
     angles = torch.cat([angles, angles], dim=-1)                                                     # [S, D]
@@ -333,6 +435,11 @@ def rope_tables(
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x2, x1], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -349,7 +456,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         cos, sin = rope_tables(16, 8, 10000.0)
         q = apply_rope(torch.randn(2, 4, 16, 8), cos, sin)  # [2, 4, 16, 8]
     """
-    with record_function("shardfn.rope"):
+    with scope("shardfn.rope"):
+        if eager():  # the sign on the [S, D] table, not on half of x: (-x2) * s == x2 * (-s) to the bit
+            s1, s2 = sin.chunk(2, dim=-1)
+            return (x * cos + _swap_halves(x) * torch.cat([-s1, s2], dim=-1)).to(x.dtype)
         return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
@@ -358,10 +468,14 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
-    Key/value heads are repeated (``repeat_interleave``: query head ``h`` reads kv head
-    ``h // (H // Hkv)``) before ``scaled_dot_product_attention``, so the fused kernel sees equal
-    head counts; this traces to the same fused ops under ``make_fx`` and ``torch.func.grad`` as
-    plain multi-head attention, for which the partitioner has sharding rules.
+    Query head ``h`` reads kv head ``h // (H // Hkv)``. Traced (``make_fx``, ``torch.compile``,
+    ``torch.func``), the key/value heads are repeated (``repeat_interleave``) before
+    ``scaled_dot_product_attention``, so the fused kernel sees equal head counts: the same fused
+    ops as plain multi-head attention, for which the partitioner has sharding rules. Eagerly, on
+    plain tensors (``core.transforms.eager``), the kernel reads the groups itself
+    (``enable_gqa=True``), with no repeated copies going forward nor their gradients summed
+    coming back: the same output, and key/value gradients that differ only in the order each
+    group's sum is taken.
 
     Args:
         q: ``[B, H, S, Dqk]``.
@@ -379,11 +493,45 @@ def attention(
     """
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     assert n_heads % n_kv_heads == 0, f"query heads {n_heads} not a multiple of kv heads {n_kv_heads}"
-    with record_function("shardfn.attention"):
+    with scope("shardfn.attention"):
+        if n_kv_heads != n_heads and eager() and all(type(t) is torch.Tensor for t in (q, k, v)):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         if n_kv_heads != n_heads:
             k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)  # [B, H, S, Dqk]
             v = v.repeat_interleave(n_heads // n_kv_heads, dim=1)  # [B, H, S, Dv]
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def rope_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables' rows at each token's position, for tokens that come in any order.
+
+    Args:
+        cos, sin: ``[S, D]`` from :func:`rope_tables` (``S`` above every position).
+        positions: ``[B, S']`` int64.
+
+    Returns:
+        ``(cos, sin)``, each ``[B, 1, S', D]`` (broadcast over heads by :func:`apply_rope`).
+
+    Example:
+        cos, sin = rope_at(*rope_tables(16, 8, 10000.0), torch.arange(16).flip(0).expand(2, 16))
+    """
+    return embedding(cos, positions).unsqueeze(1), embedding(sin, positions).unsqueeze(1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None, *,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal :func:`attention`, or with ``positions`` (``[B, S]``, tokens in any order) the
+    keys at positions up to each query's own (``core.positional_attention``, the op a layout
+    splits over the sequence).
+
+    Example:
+        out = causal_attention(q, k, v, torch.arange(16).expand(2, 16))   # [B, H, S, Dv]
+    """
+    if positions is None:
+        return attention(q, k, v, causal=True, scale=scale)
+    from shardfn.core.positional_attention import positional_attention
+
+    return positional_attention(q, k, v, positions, positions, scale=scale)
 
 
 def _split_heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -398,15 +546,17 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
 
 def gqa_attention(
     p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, head_dim: int, causal: bool = True,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query self-attention block (Llama 3): projections, RoPE on q and k, attention, output.
 
     Args:
         p: ``{"wq": [D, H*hd], "wk": [D, Hkv*hd], "wv": [D, Hkv*hd], "wo": [H*hd, D]}``.
         x: ``[B, S, D]``.
-        cos, sin: ``[S, hd]`` from :func:`rope_tables`.
+        cos, sin: ``[S, hd]`` from :func:`rope_tables` (``[B, 1, S, hd]`` from :func:`rope_at` with ``positions``).
         head_dim: ``hd``; head counts follow from the weights' shapes.
         causal: mask future positions.
+        positions: ``[B, S]`` each token's position when the tokens are not in order (causal only).
 
     Returns:
         ``[B, S, D]``.
@@ -415,17 +565,18 @@ def gqa_attention(
         cos, sin = rope_tables(16, 16, 500000.0)
         y = gqa_attention(p, torch.randn(2, 16, 64), cos, sin, head_dim=16)  # [2, 16, 64]
     """
-    with record_function("shardfn.gqa_attention"):
+    with scope("shardfn.gqa_attention"):
         q = apply_rope(_split_heads(linear(x, p["wq"]), head_dim), cos, sin)  # [B, H, S, hd]
         k = apply_rope(_split_heads(linear(x, p["wk"]), head_dim), cos, sin)  # [B, Hkv, S, hd]
         v = _split_heads(linear(x, p["wv"]), head_dim)                        # [B, Hkv, S, hd]
-        return linear(_merge_heads(attention(q, k, v, causal=causal)), p["wo"])
+        out = attention(q, k, v, causal=causal) if positions is None else causal_attention(q, k, v, positions)
+        return linear(_merge_heads(out), p["wo"])
 
 
 def mla_attention(
     p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
     qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, norm_eps: float = 1e-6, causal: bool = True,
-    scale: float | None = None,
+    scale: float | None = None, positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Multi-head latent attention (DeepSeek-V2/V3), in its training ("naive") form.
 
@@ -446,6 +597,8 @@ def mla_attention(
         norm_eps: of ``q_norm`` and ``kv_norm`` (DeepSeek-V3 uses 1e-6 whatever its other norms use).
         causal: mask future positions.
         scale: the softmax scale; default ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``.
+        positions: ``[B, S]`` each token's position when the tokens are not in order (causal only;
+            ``cos``/``sin`` then ``[B, 1, S, rope]`` from :func:`rope_at`).
 
     Returns:
         ``[B, S, D]``.
@@ -455,7 +608,7 @@ def mla_attention(
         y = mla_attention(p, x, cos, sin, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
     """
     nope, rope, vd = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-    with record_function("shardfn.mla_attention"):
+    with scope("shardfn.mla_attention"):
         if "wq" in p:
             q = linear(x, p["wq"])                                                 # [B, S, H*(nope+rope)]
         else:
@@ -472,7 +625,10 @@ def mla_attention(
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)              # [B, H, S, nope+rope]
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         scale = 1.0 / math.sqrt(nope + rope) if scale is None else scale
-        out = attention(q, k, v, causal=causal, scale=scale)                       # [B, H, S, v]
+        if positions is None:
+            out = attention(q, k, v, causal=causal, scale=scale)                   # [B, H, S, v]
+        else:
+            out = causal_attention(q, k, v, positions, scale=scale)
         return linear(_merge_heads(out), p["wo"])
 
 
@@ -490,5 +646,5 @@ def swiglu(p: dict, x: torch.Tensor) -> torch.Tensor:
         p = {"w1": torch.randn(64, 256), "w3": torch.randn(64, 256), "w2": torch.randn(256, 64)}
         y = swiglu(p, torch.randn(2, 16, 64))  # [2, 16, 64]
     """
-    with record_function("shardfn.swiglu"):
+    with scope("shardfn.swiglu"):
         return linear(F.silu(linear(x, p["w1"])) * linear(x, p["w3"]), p["w2"])

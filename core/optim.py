@@ -18,6 +18,16 @@ schedules are functions of that tensor.
 
 Sign convention (as in optax): ``update`` returns the *step to add* to the parameters, so a
 learning rate enters as ``-lr``.
+
+Two forms of each update, chosen per call. Run eagerly (``core.transforms.eager``) on plain
+tensors of one dtype and device, a transform works on the flat list of leaves with one
+``torch._foreach_*`` kernel per list, as ``torch.optim``'s ``foreach`` implementations do, and
+writes in place only into tensors it has just made; the step's inputs are never written.
+Traced (``make_fx``, ``torch.compile``, the partitioner) or on DTensors, it is one op per leaf,
+the graph the partitioner shards and the memory reports measure. The two agree to float
+rounding: the eager form takes ``v`` as ``addcmul`` and the decay as ``add(u, p, alpha=wd)``
+(one rounding each, as ``torch.optim`` does) and the clipping norm as the norm of the leaves'
+norms (as ``clip_grad_norm_`` does).
 """
 
 from __future__ import annotations
@@ -25,9 +35,11 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Union
 
+import optree
 import torch
 
-from shardfn.core.pytree import PyTree, tree_leaves, tree_map
+from shardfn.core.pytree import PyTree, tree_flatten, tree_leaves, tree_map, tree_unflatten
+from shardfn.core.transforms import eager
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 """A learning-rate schedule: ``step`` (0-d int tensor, 0 for the first update) -> 0-d tensor."""
@@ -95,8 +107,31 @@ def _one_minus_pow(b: float, count: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(count.to(torch.float32) * math.log(b))
 
 
+def _foreach(*lists: list) -> bool:
+    """Whether to take the eager ``torch._foreach_*`` form over these lists of leaves: running
+    eagerly, every leaf a plain tensor, all of one dtype and device."""
+    first = next((xs[0] for xs in lists if xs), None)
+    if first is None or not eager():
+        return False
+    dtype, device = first.dtype, first.device
+    return all(type(x) is torch.Tensor and x.dtype == dtype and x.device == device for xs in lists for x in xs)
+
+
+def _same_structure(tree: PyTree, treedef, what: str) -> list:
+    """``tree``'s leaves, after checking it has the structure ``treedef``."""
+    leaves, other = tree_flatten(tree)
+    if other != treedef:
+        raise ValueError(f"{what} has the structure {other}, not the parameters' {treedef}; pass trees of the "
+                         "parameters' structure (and the state made by init for them).")
+    return leaves
+
+
 def global_norm(tree: PyTree) -> torch.Tensor:
     """The L2 norm of all leaves of ``tree`` together, as a 0-d float32 tensor.
+
+    Traced, ``sqrt(sum(sum(x ** 2)))`` (a partitioned step reduces it over the mesh as a sum);
+    eagerly, the norm of the leaves' norms (``torch._foreach_norm``, as ``clip_grad_norm_``
+    takes it: no squared copy of any leaf). The two differ only by float rounding.
 
     Example:
         global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})  # tensor(5.)
@@ -104,6 +139,8 @@ def global_norm(tree: PyTree) -> torch.Tensor:
     leaves = [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
     if not leaves:
         return torch.zeros((), dtype=torch.float32)
+    if _foreach(leaves):
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(leaves, 2, dtype=torch.float32)))
     squares = [torch.sum(torch.square(x.to(torch.float32))) for x in leaves]
     return torch.sqrt(torch.stack(squares).sum())
 
@@ -115,6 +152,10 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
         updates, state = opt.update(grads, state, params)
         params = apply_updates(params, updates)
     """
+    p, treedef = tree_flatten(params)
+    u = _same_structure(updates, treedef, "apply_updates: updates")
+    if _foreach(p, u):
+        return tree_unflatten(treedef, torch._foreach_add(p, u))
     return tree_map(lambda p, u: p + u.to(p.dtype), params, updates)
 
 
@@ -193,6 +234,33 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, min_ratio: f
 # ----------------------------------------------------------------------------- transforms
 
 
+def _check_adam_state(state, who: str) -> None:
+    if not isinstance(state, ScaleByAdamState):
+        raise TypeError(f"{who} got state {type(state).__name__}; make sure you passed "
+                        "the state returned by this transform's init (or by the chain's init).")
+
+
+def _adam_foreach(updates: PyTree, state: ScaleByAdamState, b1: float, b2: float, eps: float):
+    """:func:`scale_by_adam`'s update in the eager ``foreach`` form: ``(direction, new state,
+    treedef)``, ``direction`` a list of tensors made here (its caller's to scale in place); None
+    where that form does not apply (traced, DTensors, mixed dtypes)."""
+    mu, treedef = tree_flatten(state.mu)
+    nu = _same_structure(state.nu, treedef, "scale_by_adam: state.nu")
+    g = _same_structure(updates, treedef, "scale_by_adam: updates")
+    if not _foreach(mu, nu, g):
+        return None
+    count = state.count + 1
+    mu = torch._foreach_lerp(mu, g, 1.0 - b1)                       # m <- b1 m + (1 - b1) g
+    nu = torch._foreach_mul(nu, b2)
+    torch._foreach_addcmul_(nu, g, g, value=1.0 - b2)               # v <- b2 v + (1 - b2) g^2
+    denom = torch._foreach_sqrt(nu)
+    torch._foreach_div_(denom, torch.sqrt(_one_minus_pow(b2, count)).to(nu[0].dtype))
+    torch._foreach_add_(denom, eps)                                 # sqrt(v) / sqrt(1 - b2^t) + eps
+    direction = torch._foreach_div(mu, _one_minus_pow(b1, count).to(mu[0].dtype))
+    torch._foreach_div_(direction, denom)                           # (m / (1 - b1^t)) / denom
+    return direction, ScaleByAdamState(count, tree_unflatten(treedef, mu), tree_unflatten(treedef, nu)), treedef
+
+
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
     """Adam's preconditioning: ``m_hat / (sqrt(v_hat) + eps)`` with bias correction.
 
@@ -213,9 +281,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 
     def update(updates, state, params=None):
         del params
-        if not isinstance(state, ScaleByAdamState):
-            raise TypeError(f"scale_by_adam got state {type(state).__name__}; make sure you passed "
-                            "the state returned by this transform's init (or by the chain's init).")
+        _check_adam_state(state, "scale_by_adam")
+        eager_update = _adam_foreach(updates, state, b1, b2, eps)
+        if eager_update is not None:
+            direction, state, treedef = eager_update
+            return tree_unflatten(treedef, direction), state
         count = state.count + 1
         mu = tree_map(lambda m, g: torch.lerp(m, g.to(m.dtype), 1.0 - b1), state.mu, updates)
         nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * torch.square(g.to(v.dtype)), state.nu, updates)
@@ -244,6 +314,10 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
             return updates, state
         if params is None:
             raise ValueError("add_decayed_weights needs the parameters: call update(grads, state, params).")
+        u, treedef = tree_flatten(updates)
+        p = _same_structure(params, treedef, "add_decayed_weights: params")
+        if _foreach(u, p):
+            return tree_unflatten(treedef, torch._foreach_add(u, p, alpha=weight_decay)), state
         return tree_map(lambda u, p: u + weight_decay * p.to(u.dtype), updates, params), state
 
     return GradientTransformation(init, update)
@@ -266,7 +340,11 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> GradientTransformation:
     def update(updates, state, params=None):
         del params
         step_lr = _lr_at(lr, state.count)
-        new = tree_map(lambda u: -step_lr.to(u.dtype) * u, updates)
+        u, treedef = tree_flatten(updates)
+        if _foreach(u):
+            new = tree_unflatten(treedef, torch._foreach_mul(u, -step_lr.to(u[0].dtype)))
+        else:
+            new = tree_map(lambda u: -step_lr.to(u.dtype) * u, updates)
         return new, ScaleByLearningRateState(state.count + 1, step_lr)
 
     return GradientTransformation(init, update)
@@ -295,6 +373,9 @@ def clip_by_global_norm(max_norm: float, *, norm: Callable[[PyTree], torch.Tenso
         del state, params
         total = norm(updates)
         scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        u, treedef = tree_flatten(updates)
+        if _foreach(u):
+            return tree_unflatten(treedef, torch._foreach_mul(u, scale.to(u[0].dtype))), ClipByGlobalNormState(total)
         return tree_map(lambda u: u * scale.to(u.dtype), updates), ClipByGlobalNormState(total)
 
     return GradientTransformation(init, update)
@@ -329,7 +410,8 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
 
     Masked-off leaves are left exactly untouched (no step, no weight decay), and ``inner`` sees a
     zero gradient for them so its statistics stay zero. The state keeps the parameters' full tree
-    structure, so specs that address parameters address their optimizer state too.
+    structure, so specs that address parameters address their optimizer state too. Eagerly, only
+    the masked-off leaves cost anything (with every leaf selected this is ``inner`` itself).
 
     Args:
         inner: the transform to apply to the selected leaves.
@@ -359,6 +441,15 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
         if params is None:
             raise ValueError("masked(...) needs the parameters to resolve its mask: call update(grads, state, params).")
         m = resolve(params)
+        if eager():  # zeros only where the mask is off, and no pass at all where it is on everywhere
+            u, treedef = tree_flatten(updates)
+            keep = tree_leaves(optree.tree_broadcast_prefix(m, updates, none_is_leaf=False))
+            if all(keep):
+                return inner.update(updates, state, params)
+            zeros = [None if k else torch.zeros_like(x) for k, x in zip(keep, u)]
+            chosen = tree_unflatten(treedef, [x if k else z for k, x, z in zip(keep, u, zeros)])
+            new, state = inner.update(chosen, state, params)
+            return tree_unflatten(treedef, [x if k else z for k, x, z in zip(keep, tree_leaves(new), zeros)]), state
         zeros = tree_map(torch.zeros_like, updates)
         new, state = inner.update(select(m, True, updates, zeros), state, params)
         return select(m, True, new, zeros), state
@@ -395,8 +486,44 @@ def adamw(
         opt = adamw(warmup_cosine(3e-3, 10, 100, 0.1), b2=0.95, weight_decay=0.1)
         updates, state = opt.update(grads, opt.init(params), params)
     """
-    opt = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+    opt = _adamw(lr, b1, b2, eps, weight_decay)
     return opt if mask is None else masked(opt, mask)
+
+
+def _adamw(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_decay: float) -> GradientTransformation:
+    """``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(lr))``: that chain's init, state and values to the bit. Eagerly, the
+    decay and the learning rate scale the Adam direction in place, the direction being a tensor
+    this update has just made: two full-size tensors per leaf fewer than the chain makes."""
+    chained = chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+
+    def eager_update(updates, state, params):
+        """The eager form's ``(updates, state)``, or None where the chain's update runs instead
+        (traced, DTensors, mixed dtypes, or a mistake the chain's error explains)."""
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], ScaleByAdamState)):
+            return None
+        if weight_decay != 0.0 and params is None:
+            return None
+        adam_state, decay_state, lr_state = state
+        adam = _adam_foreach(updates, adam_state, b1, b2, eps)
+        if adam is None:
+            return None
+        direction, adam_state, treedef = adam
+        if weight_decay != 0.0:
+            p = _same_structure(params, treedef, "adamw: params")
+            if not _foreach(direction, p):
+                return None
+            torch._foreach_add_(direction, p, alpha=weight_decay)                  # + wd * p
+        step_lr = _lr_at(lr, lr_state.count)
+        torch._foreach_mul_(direction, -step_lr.to(direction[0].dtype))            # * -lr
+        state = (adam_state, decay_state, ScaleByLearningRateState(lr_state.count + 1, step_lr))
+        return tree_unflatten(treedef, direction), state
+
+    def update(updates, state, params=None):
+        out = eager_update(updates, state, params)
+        return chained.update(updates, state, params) if out is None else out
+
+    return GradientTransformation(chained.init, update)
 
 
 def adam(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:

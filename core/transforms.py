@@ -7,6 +7,13 @@ tuples, NamedTuples) as the differentiated arguments, and stay traceable by ``ma
 
     loss, grads = value_and_grad(model.loss)(params, batch, cfg)
     (loss, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
+
+Where nothing composes with the gradient (:func:`eager`: no ``torch.func`` transform around the
+call and no tracer; and no argument leaf that already requires grad), :func:`value_and_grad`
+takes it with plain ``torch.autograd.grad`` on fresh leaves (``detach().requires_grad_()``)
+instead: the same function of the same inputs, without the transform's per-op wrapping (half
+again the time of a small model's eager forward and backward). Everywhere else, and for
+:func:`grad`, it is ``torch.func``'s, which composes.
 """
 
 from __future__ import annotations
@@ -17,9 +24,26 @@ from typing import Any, Callable, Sequence, Union
 import torch
 import torch.func
 
-from shardfn.core.pytree import tree_map
+from shardfn.core.pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 ArgNums = Union[int, Sequence[int]]
+
+
+def eager() -> bool:
+    """True when ops run one by one on their kernels: not under ``torch.compile`` or ``make_fx``
+    (or any other dispatch mode, such as ``FakeTensorMode``), and inside no ``torch.func``
+    transform. Code that has a faster eager form (plain autograd, ``torch._foreach_*`` kernels,
+    cached tables) takes it only then, so traced graphs keep their usual form.
+
+    Example:
+        eager()                                # True at the top level
+        torch.func.vmap(lambda x: eager())(x)  # False: inside a transform
+    """
+    if torch.compiler.is_compiling():
+        return False
+    from shardfn.core._torch_private import ops_intercepted
+
+    return not ops_intercepted()
 
 
 def _check_argnums(argnums: ArgNums) -> int | tuple[int, ...]:
@@ -31,8 +55,70 @@ def _check_argnums(argnums: ArgNums) -> int | tuple[int, ...]:
     return argnums
 
 
+def _plain_autograd(args: tuple, argnums: int | tuple[int, ...]) -> bool:
+    """Take the gradient with ``torch.autograd.grad``: nothing composes with it (see the module
+    docstring). An argument leaf that requires grad belongs to an outer autograd graph, which
+    only ``torch.func`` keeps (its gradients are themselves differentiable)."""
+    if not eager():
+        return False
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    if any(not -len(args) <= i < len(args) for i in nums):
+        return False  # torch.func reports the bad index
+    differentiated = tree_leaves([args[i] for i in nums])
+    if not all(isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex()) for x in differentiated):
+        return False  # torch.func reports what cannot be differentiated
+    return not any(isinstance(x, torch.Tensor) and x.requires_grad for x in tree_leaves(args))
+
+
+def _value_and_grad_autograd(fn: Callable, argnums: int | tuple[int, ...], has_aux: bool,
+                             args: tuple, kwargs: dict):
+    """``torch.func.grad_and_value``'s result, ``(grads, value)``, from ``torch.autograd.grad``
+    on detached copies of the differentiated arguments' leaves (no copy of the data)."""
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    args = list(args)
+    inputs, treedefs = [], []
+    for i in nums:
+        leaves, treedef = tree_flatten(args[i])
+        leaves = [x.detach().requires_grad_() for x in leaves]
+        args[i] = tree_unflatten(treedef, leaves)
+        inputs.append(leaves)
+        treedefs.append(treedef)
+    with torch.enable_grad():  # like torch.func.grad, which ignores an outer no_grad
+        out = fn(*args, **kwargs)
+    if has_aux:
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise RuntimeError("value_and_grad(f, has_aux=True): f must return a (value, aux) tuple")
+        value, aux = out
+    else:
+        value, aux = out, None
+    if not isinstance(value, torch.Tensor) or value.ndim != 0:
+        got = f"a tensor with {value.ndim} dims" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise RuntimeError(f"value_and_grad(f): f must return a scalar (0-d) tensor, got {got}")
+    flat = [x for leaves in inputs for x in leaves]
+    if value.requires_grad:
+        grads = torch.autograd.grad(value, flat, allow_unused=True, materialize_grads=True)
+    else:  # the value does not depend on the arguments
+        grads = [torch.zeros_like(x) for x in flat]
+    out_grads, k = [], 0
+    for leaves, treedef in zip(inputs, treedefs):
+        out_grads.append(tree_unflatten(treedef, list(grads[k:k + len(leaves)])))
+        k += len(leaves)
+    grads = out_grads[0] if isinstance(argnums, int) else tuple(out_grads)
+    value = value.detach()
+    if has_aux:
+        aux = tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        return grads, (value, aux)
+    return grads, value
+
+
 def value_and_grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) -> Callable:
     """``fn``'s value and its gradient with respect to the arguments at ``argnums``.
+
+    Eagerly, with nothing composing (:func:`eager`, and no argument leaf requiring grad), the
+    gradient is taken by ``torch.autograd.grad`` on fresh leaves; inside a ``torch.func``
+    transform, under ``make_fx`` or ``torch.compile`` it is ``torch.func.grad_and_value``. Both
+    compute the same function of the same inputs; their backward kernels may differ in float
+    rounding (``torch.func`` decomposes some, e.g. ``silu``'s).
 
     Args:
         fn: a function returning a 0-d tensor, or ``(0-d tensor, aux)`` when ``has_aux``.
@@ -43,7 +129,8 @@ def value_and_grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) ->
 
     Returns:
         A function with ``fn``'s signature returning ``(value, grads)``, or
-        ``((value, aux), grads)`` with ``has_aux``; ``grads`` mirrors the differentiated argument(s).
+        ``((value, aux), grads)`` with ``has_aux``; ``grads`` mirrors the differentiated argument(s)
+        (zeros where ``fn`` does not depend on a leaf). ``value`` and ``aux`` carry no graph.
 
     Example:
         loss, grads = value_and_grad(lambda p, x: ((x @ p["w"]) ** 2).sum())(params, x)
@@ -54,7 +141,10 @@ def value_and_grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) ->
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any):
-        grads, value = grad_and_value(*args, **kwargs)
+        if _plain_autograd(args, argnums):
+            grads, value = _value_and_grad_autograd(fn, argnums, has_aux, args, kwargs)
+        else:
+            grads, value = grad_and_value(*args, **kwargs)
         return value, grads
 
     return wrapped
@@ -62,6 +152,9 @@ def value_and_grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) ->
 
 def grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) -> Callable:
     """The gradient of ``fn`` with respect to the arguments at ``argnums``.
+
+    Always ``torch.func.grad``: this is the form for composing (``vmap(grad(f))``, higher
+    derivatives); a training step takes its gradient with :func:`value_and_grad`.
 
     Args:
         fn: as in :func:`value_and_grad`.

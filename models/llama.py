@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from shardfn.core import layers as L
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked
 from shardfn.core.layers import RopeScaling
-from shardfn.core.pytree import PyTree, tree_map
+from shardfn.core.pytree import PyTree
+from shardfn.core.regional import repeated
 from shardfn.models import check, config_from_dict, hf_names
 from shardfn.models.hf_names import HFTensor
 
@@ -256,19 +257,24 @@ def layout_units(cfg: Config) -> dict[str, tuple[str, int]]:
 # ----------------------------------------------------------------------------- forward
 
 
-def block(p: PyTree, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+@repeated
+def block(p: PyTree, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+          positions: torch.Tensor | None = None) -> torch.Tensor:
     """One pre-norm transformer layer; ``p`` is one layer's slice of ``params["layers"]``."""
-    h = h + L.gqa_attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, head_dim=cfg.head_dim)
+    h = h + L.gqa_attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, head_dim=cfg.head_dim,
+                            positions=positions)
     return h + L.swiglu(p["mlp"], L.rms_norm(h, p["mlp_norm"], cfg.norm_eps))  # [B, S, D]
 
 
-def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+def apply(params: PyTree, tokens: torch.Tensor, cfg: Config, *, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Logits for ``tokens``.
 
     Args:
         params: from :func:`init`.
         tokens: ``[B, S]`` int64.
         cfg: the model's Config.
+        positions: ``[B, S]`` int64, each token's position in its sequence when the tokens are
+            not in order (a permutation of ``0 .. S-1`` per row); None: ``0 .. S-1``.
 
     Returns:
         ``[B, S, vocab]`` in the params' dtype.
@@ -279,9 +285,11 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     h = L.embedding(params["embed"], tokens)                                   # [B, S, D]
     cos, sin = L.rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling,
                              device=h.device, dtype=h.dtype)
-    for i in range(cfg.n_layers):
-        with torch.profiler.record_function(f"shardfn.layer.{i}"):
-            h = block(tree_map(lambda w: w[i], params["layers"]), h, cos, sin, cfg)
+    if positions is not None:
+        cos, sin = L.rope_at(cos, sin, positions)                              # [B, 1, S, hd]
+    for i, p in enumerate(L.unstack(params["layers"], cfg.n_layers)):                # one layer's slices
+        with L.scope(f"shardfn.layer.{i}"):
+            h = block(p, h, cos, sin, cfg, positions)
     h = L.rms_norm(h, params["norm"], cfg.norm_eps)
     out = params["embed"].t() if cfg.tie_embeddings else params["out"]
     return L.linear(h, out)                                                    # [B, S, V]
@@ -300,12 +308,13 @@ def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Ten
     """Mean cross-entropy of ``apply(params, batch["inputs"])`` against ``batch["targets"]``.
 
     ``experts`` is the model contract's routed-expert hook (``models.moe``); a dense model has
-    no experts to run, so it is unused here.
+    no experts to run, so it is unused here. ``batch["positions"]`` (optional, ``[B, S]``): the
+    tokens' positions when a layout has reordered them (context parallelism's load balance).
 
     Example:
         loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
     """
-    return cross_entropy(apply(params, batch["inputs"], cfg), batch["targets"])
+    return cross_entropy(apply(params, batch["inputs"], cfg, positions=batch.get("positions")), batch["targets"])
 
 
 def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:

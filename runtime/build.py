@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from shardfn.core.pytree import PyTree
+from shardfn.core.regional import with_compiled_layers
 from shardfn.partition.remat import rematerialized
 from shardfn.runtime.param_source import full_tree
 from shardfn.runtime.step import Step, identity_state
@@ -48,9 +49,10 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
 
 
 def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
-    """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors, ``torch.compile``'d when
-    ``train.compile`` is set; ``train.precision`` its compute dtype, ``train.remat`` run as the
-    traced step rewritten by ``partition.remat``. ``like`` gives the tree's shapes for a ``place`` from a source.
+    """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors; with ``train.compile``
+    its repeated layer compiled once (``whole``: the whole step as one graph); ``train.precision``
+    its compute dtype, ``train.remat`` run as the traced step rewritten by ``partition.remat``.
+    ``like`` gives the tree's shapes for a ``place`` from a source.
 
     Example:
         step = device_step(cfg, llama, make_optimizer(cfg.train, llama))
@@ -59,8 +61,10 @@ def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
                          precision=precision_policy(cfg.train))
     if cfg.train.remat != "none":  # the step's traced joint graph, rewritten by the remat pass
         fn = rematerialized(fn, cfg.train.remat, backend="inductor" if cfg.train.compile else None)
-    elif cfg.train.compile:
+    elif cfg.train.compile == "whole":
         fn = torch.compile(fn)
+    elif cfg.train.compile:  # one layer compiled once and run by every layer (core/regional.py)
+        fn = with_compiled_layers(fn)
 
     def place(params_or_source):
         params = full_tree(params_or_source, like)

@@ -191,7 +191,11 @@ def first_step_work(cfg) -> str | None:
     axes = [f"{name}{size}" for name, size in cfg.mesh.axes().items() if size > 1]
     if axes:
         return f"lowering and compiling the step on {' x '.join(axes)}"
-    return "compiling the step (train.compile)" if cfg.train.compile else None
+    if not cfg.train.compile:
+        return None
+    if cfg.train.compile == "whole" or cfg.train.remat != "none":
+        return "compiling the whole step (train.compile)"
+    return "compiling one layer, which every layer then runs (train.compile)"
 
 
 def progress_line(t, values: dict, done: int, history: list, setup: str | None = None) -> str:

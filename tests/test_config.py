@@ -96,7 +96,7 @@ def test_bad_values_name_key_and_requirement(tmp_path):
         C.load_config(path, ["mesh.tp=0"])
     with pytest.raises(ValueError, match=r"rules\.heads: unknown mesh axis 'xp'"):
         C.load_config(path, ["rules.heads=xp"])
-    with pytest.raises(ValueError, match=r"train\.compile must be a bool"):
+    with pytest.raises(ValueError, match=r"train\.compile must be false, true, regional or whole, got .3."):
         C.load_config(path, ["train.compile=3"])
     with pytest.raises(ValueError, match="section.key=value"):
         C.load_config(path, ["steps=3"])

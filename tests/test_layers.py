@@ -201,3 +201,105 @@ def test_init_is_deterministic_per_seed_and_path():
     assert meta["embed"].is_meta and meta["embed"].shape == (16, 4)
     with pytest.raises(TypeError, match="seed"):
         init_params(table(), 0.5)
+
+
+# ----------------------------------------------------------------------------- eager forms
+
+
+def _grads(f, *xs, cotangent):
+    leaves = [x.clone().requires_grad_() for x in xs]
+    out = f(*leaves)
+    return (out.detach(), *torch.autograd.grad(out, leaves, cotangent))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_eager_backward_is_autograds_to_the_bit(dtype):
+    g = gen(3)
+    x, w, dy = (torch.randn(*s, generator=g).to(dtype) for s in ((4, 7, 32), (32,), (4, 7, 32)))
+
+    def plain(x, w):  # the formula, differentiated op by op by autograd
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype) * w
+
+    for ours, want in zip(_grads(L.rms_norm, x, w, cotangent=dy), _grads(plain, x, w, cotangent=dy)):
+        assert ours.dtype == want.dtype and torch.equal(ours, want)
+    assert _grads(L.rms_norm, x, w, cotangent=dy)[1].dtype == dtype
+
+
+def test_rope_eager_and_traced_forms_agree_to_the_bit():
+    cos, sin = L.rope_tables(16, 8, 10000.0)
+    x, dy = torch.randn(2, 3, 16, 8, generator=gen(4)), torch.randn(2, 3, 16, 8, generator=gen(5))
+    eager = _grads(lambda x: L.apply_rope(x, cos, sin), x, cotangent=dy)
+    traced = make_fx(lambda x, dy: _grads(lambda x: L.apply_rope(x, cos, sin), x, cotangent=dy))(x, dy)
+    assert "neg" in str(traced.graph)  # the traced form negates half of x, the eager one half of the table
+    assert all(torch.equal(a, b) for a, b in zip(eager, traced(x, dy)))
+
+
+def test_rope_tables_are_built_once_eagerly_and_afresh_when_traced():
+    a, b = L.rope_tables(12, 8, 500.0), L.rope_tables(12, 8, 500.0)
+    assert a[0] is b[0] and a[1] is b[1]
+    with torch.inference_mode():  # tables first made here are still usable by autograd afterwards
+        c = L.rope_tables(13, 8, 500.0)
+    assert not c[0].is_inference()
+    fresh = L._rope_tables(12, 8, 500.0, None, None, torch.float32)
+    assert torch.equal(a[0], fresh[0]) and torch.equal(a[1], fresh[1])
+    graph = make_fx(lambda t: t * L.rope_tables(12, 8, 500.0)[0])(torch.ones(12, 8))
+    assert "cos" in str(graph.graph)  # built inside the traced program, not captured as a constant
+
+
+def test_gqa_attention_eagerly_reads_groups_without_repeating_them():
+    g = gen(6)
+    q, k, v, dy = (torch.randn(*s, generator=g) for s in ((2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8), (2, 4, 16, 8)))
+
+    def repeated(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
+
+    ours, want = _grads(L.attention, q, k, v, cotangent=dy), _grads(repeated, q, k, v, cotangent=dy)
+    torch.testing.assert_close(ours[0], want[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(ours[1:], want[1:]):  # key/value gradients: each group's sum taken in another order
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    traced = make_fx(lambda q, k, v: L.attention(q, k, v))(q, k, v)
+    kernel = next(n for n in traced.graph.nodes if "scaled_dot_product" in str(n.target))
+    assert kernel.args[1].meta["val"].shape[1] == 4  # traced: repeated heads, as the partitioner shards them
+
+
+def _autograd_nodes(fn) -> set[str]:
+    """The kinds of node in the backward graph that ends at ``fn``."""
+    seen, kinds, todo = set(), set(), [fn]
+    while todo:
+        f = todo.pop()
+        if f is not None and id(f) not in seen:
+            seen.add(id(f))
+            kinds.add(type(f).__name__)
+            todo.extend(g for g, _ in f.next_functions)
+    return kinds
+
+
+def test_unstack_unbinds_eagerly_and_selects_when_traced():
+    w = torch.randn(3, 4, 5, generator=gen(7))
+    tree = {"w": w, "b": torch.randn(3, 5, generator=gen(8))}
+
+    def loss(tree):
+        return sum((p["w"].sum(0) * p["b"] * (i + 1)).sum() for i, p in enumerate(L.unstack(tree, 3)))
+
+    leaves = {k: v.clone().requires_grad_() for k, v in tree.items()}
+    value = loss(leaves)
+    kinds = _autograd_nodes(value.grad_fn)
+    assert "UnbindBackward0" in kinds and "SelectBackward0" not in kinds  # one stacked gradient, no zero-filled ones
+    eager = torch.autograd.grad(value, list(leaves.values()))
+    via_select = torch.func.grad(loss)(tree)  # inside a transform: w[i]
+    assert all(torch.equal(a, via_select[k]) for a, k in zip(eager, leaves))
+    graph = make_fx(loss)(tree)
+    selects = [n for n in graph.graph.nodes if n.target is torch.ops.aten.select.int]
+    assert len(selects) == 6 and all(n.args[0].op == "placeholder" and n.args[1] == 0 for n in selects)
+    assert "unbind" not in str(graph.graph)
+
+
+def test_profiler_labels_only_while_profiling():
+    x, w = torch.randn(2, 8), torch.ones(8)
+    graph = make_fx(lambda x, w: L.rms_norm(x, w))(x, w)
+    assert "record_function" not in str(graph.graph)
+    with torch.profiler.profile() as prof:
+        L.rms_norm(x, w)
+    assert any(e.key == "shardfn.rms_norm" for e in prof.key_averages())

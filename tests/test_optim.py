@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import optim
 from shardfn.core.pytree import flatten_with_paths, tree_leaves, tree_map
-from shardfn.core.transforms import grad, stop_gradient, value_and_grad
+from shardfn.core.transforms import eager, grad, stop_gradient, value_and_grad
 
 
 def _params(seed=0):
@@ -247,3 +247,84 @@ def test_value_and_grad_aux_and_argnums():
 def test_bad_argnums():
     with pytest.raises(TypeError, match="argnums"):
         value_and_grad(lambda x: x, argnums=())
+
+
+# ----------------------------------------------------------------------------- eager and traced forms
+
+
+def _clipped_masked_adamw():
+    mask = {"embed": True, "layers": {"w": True, "norm": False}, "bias": True}
+    return optim.chain(optim.clip_by_global_norm(0.5),
+                       optim.adamw(optim.warmup_cosine(1e-2, 2, 10, 0.1), 0.9, 0.95, weight_decay=0.1, mask=mask))
+
+
+def test_eager_foreach_form_matches_the_traced_form_and_writes_no_input():
+    opt, params = _clipped_masked_adamw(), _params(3)
+    state = opt.init(params)
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+
+    traced = make_fx(step)(params, state, _grads(0, params))
+    assert "_foreach" not in str(traced.graph)  # traced: one op per leaf, as the partitioner shards them
+    eager_p, eager_s, traced_p, traced_s = params, state, params, state
+    for s in range(4):
+        grads = _grads(s, params)
+        before = [x.clone() for x in tree_leaves((eager_p, eager_s, grads))]
+        new_p, new_s = step(eager_p, eager_s, grads)
+        assert all(torch.equal(a, b) for a, b in zip(before, tree_leaves((eager_p, eager_s, grads))))
+        eager_p, eager_s = new_p, new_s
+        traced_p, traced_s = traced(traced_p, traced_s, grads)
+    for a, b in zip(tree_leaves((eager_p, eager_s)), tree_leaves((traced_p, traced_s))):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert torch.equal(eager_p["layers"]["norm"], params["layers"]["norm"])  # masked off: untouched
+
+
+def test_adamw_eager_is_the_chain_it_stands_for():
+    params, lr = _params(4), optim.warmup_cosine(1e-2, 2, 10, 0.1)
+    fused = optim.adamw(lr, 0.9, 0.95, weight_decay=0.1)
+    chained = optim.chain(optim.scale_by_adam(0.9, 0.95), optim.add_decayed_weights(0.1),
+                          optim.scale_by_learning_rate(lr))
+    s1, s2 = fused.init(params), chained.init(params)
+    for s in range(3):
+        u1, s1 = fused.update(_grads(s, params), s1, params)
+        u2, s2 = chained.update(_grads(s, params), s2, params)
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves((u1, s1)), tree_leaves((u2, s2))))
+
+
+def test_masked_with_every_leaf_selected_is_the_inner_transform():
+    params = _params(5)
+    inner = optim.adamw(1e-2, weight_decay=0.1)
+    everything = optim.masked(inner, lambda p: tree_map(lambda _: True, p))
+    u1, s1 = everything.update(_grads(0, params), everything.init(params), params)
+    u2, s2 = inner.update(_grads(0, params), inner.init(params), params)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((u1, s1)), tree_leaves((u2, s2))))
+
+
+def test_value_and_grad_takes_plain_autograd_eagerly_and_composes_under_transforms():
+    params, x = _params(), torch.randn(4, 7)
+    seen = []
+
+    def f(p, x):
+        seen.append(eager())  # no transform around the function: plain autograd runs it
+        return (torch.tanh(x @ p["embed"]) @ p["layers"]["w"][0]).square().mean() + p["bias"].sum() * 0
+
+    value, grads = value_and_grad(f)(params, x)
+    assert seen == [True]
+    ref_value, ref_grads = torch.func.grad_and_value(f)(params, x)[::-1]
+    assert value.grad_fn is None and all(g.grad_fn is None for g in tree_leaves(grads))
+    torch.testing.assert_close(value, ref_value)
+    for a, b in zip(tree_leaves(grads), tree_leaves(ref_grads)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():  # like torch.func.grad, an outer no_grad does not stop it
+        torch.testing.assert_close(value_and_grad(f)(params, x)[1]["embed"], ref_grads["embed"])
+    # Composed: a per-example gradient under vmap, and a second derivative through it.
+    per_example = torch.func.vmap(lambda xi: value_and_grad(lambda w: (xi @ w).square().sum())(params["embed"])[1])(x)
+    torch.testing.assert_close(per_example[0], 2 * torch.outer(x[0], x[0] @ params["embed"]))
+    hess_diag = torch.func.grad(lambda w: value_and_grad(lambda w: (w ** 3).sum())(w)[1].sum())(torch.ones(3))
+    torch.testing.assert_close(hess_diag, torch.full((3,), 6.0))
+    # An argument that already requires grad keeps its outer graph (the torch.func path).
+    w = params["bias"].clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(value_and_grad(lambda w: (w ** 3).sum())(w)[1].sum(), [w])
+    torch.testing.assert_close(g, 6 * w.detach())

@@ -163,7 +163,9 @@ def test_throughput_leaves_out_the_first_step():
     assert progress_line(t, values, 7, history).endswith("tok/s 640")  # 256 in 0.4 s: step 5 left out
     assert first_step_work(load_config(None, ["mesh.dp=2", "mesh.tp=2"])) == ("lowering and compiling the step on "
                                                                              "dp2 x tp2")
-    assert first_step_work(load_config(None, ["train.compile=true"])) == "compiling the step (train.compile)"
+    assert first_step_work(load_config(None, ["train.compile=true"])) == (
+        "compiling one layer, which every layer then runs (train.compile)")
+    assert first_step_work(load_config(None, ["train.compile=whole"])) == "compiling the whole step (train.compile)"
     assert first_step_work(load_config(None)) is None
 
 
@@ -172,3 +174,73 @@ def test_the_log_gives_the_first_step_its_own_line():
     train(load_config(None, [*SMALL, "train.steps=4", "train.log_every=2"]), log=lines.append)
     assert lines[1].startswith("step 1/4") and " first step " in lines[1] and "tok/s" not in lines[1]
     assert lines[2].startswith("step 2/4") and "tok/s" in lines[2]
+
+
+@pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
+def test_eager_step_matches_the_traced_step(config):
+    # Eagerly the step takes its gradient with plain autograd, GQA attention without repeated heads
+    # and foreach optimizer kernels; traced (what the partitioner and remat rewrite) it is the
+    # torch.func program. They agree to float rounding, within the layouts' parity tolerances,
+    # and remat changes no bit of the traced program.
+    from shardfn.partition.remat import rematerialized
+
+    cfg, model, params, opt, _ = _setup(["train.warmup_steps=1"], config=config)
+    tokens = data.load_tokens(None)
+    batches = [data.get_batch(tokens, s, batch_size=4, seq_len=32) for s in range(3)]
+    runs = {"eager": make_train_step(model, cfg.model, opt)}
+    runs.update({p: rematerialized(make_train_step(model, cfg.model, opt), p) for p in ("none", "full")})
+    out = {}
+    for name, step in runs.items():
+        p, s, losses = params, opt.init(params), []
+        for b in batches:
+            p, s, m = step(p, s, b)
+            losses.append(m["loss"])
+        out[name] = (torch.stack(losses), p, s)
+    for a, b in zip(tree_leaves(out["full"]), tree_leaves(out["none"])):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out["eager"][0], out["none"][0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(tree_leaves(out["eager"][1:]), tree_leaves(out["none"][1:])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=3e-5)
+
+
+
+def test_compiled_layers_compile_the_repeated_layer_once():
+    # train.compile=true: the layer function is compiled on its first call and every layer runs
+    # that one compilation; the step computes what the eager step does. Traced, nothing compiles.
+    import torch._dynamo
+
+    from shardfn.core.regional import compiled_layers, with_compiled_layers
+
+    graphs = []
+
+    def backend(gm, example_inputs):  # records each graph dynamo hands over, runs it as is
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    cfg, model, params, opt, _ = _setup(["model.n_layers=3"])
+    batches = [data.get_batch(data.load_tokens(None), s, batch_size=4, seq_len=32) for s in range(2)]
+    eager_step = make_train_step(model, cfg.model, opt)
+    compiled_step = with_compiled_layers(make_train_step(model, cfg.model, opt), backend=backend)
+    out = {}
+    for name, step in (("eager", eager_step), ("compiled", compiled_step)):
+        p, s, losses = params, opt.init(params), []
+        for b in batches:
+            p, s, m = step(p, s, b)
+            losses.append(m["loss"])
+        out[name] = (torch.stack(losses), p)
+    assert len(graphs) == 1  # one layer's graph for 3 layers and 2 steps
+    torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(tree_leaves(out["compiled"][1]), tree_leaves(out["eager"][1])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with compiled_layers(backend=backend):  # traced: the plain function, no compilation
+        make_fx(lambda p, b: model.loss(p, b, cfg.model))(params, batches[0])
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+def test_train_compile_takes_regional_or_whole_and_refuses_the_rest():
+    assert load_config(None, ["train.compile=whole"]).train.compile == "whole"
+    assert load_config(None, ["train.compile=true"]).train.compile is True
+    with pytest.raises(ValueError, match=r"train.compile must be false, true, regional or whole, got 'fast'"):
+        load_config(None, ["train.compile=fast"])

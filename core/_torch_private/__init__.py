@@ -21,6 +21,9 @@ holds the rest:
 - ``torch.utils._pytree`` (:func:`tree_flatten`): an op's ``(args, kwargs)`` flattened the way
   DTensor's dispatcher sees them; ``torch._ops.OpOverload`` (:data:`OpOverload`); a DTensor's
   ``DTensorSpec`` (:func:`dtensor_spec`).
+- functorch's interpreter stack and the dispatch-mode stack (:func:`ops_intercepted`), and the
+  profiler's enabled flag (:func:`profiler_enabled`): what ``core.transforms.eager`` and the
+  layers' profiler labels ask.
 """
 
 from __future__ import annotations
@@ -133,12 +136,18 @@ def eager_strided_shard_sizes():
     from torch.utils._python_dispatch import _disable_current_modes
 
     original = _StridedShard.local_shard_size_and_offset
+    answers: dict = {}  # the answer is a pure function of the placement and the integers asked
 
     def eager(self, curr_local_size, num_chunks, rank, *args, **kwargs):
         if not all(type(x) is int for x in (curr_local_size, num_chunks, rank)):
             return original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
-        with _disable_current_modes(), torch._C.DisableTorchFunction():
-            return original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+        key = (self, curr_local_size, num_chunks, rank, args, tuple(sorted(kwargs.items())))
+        hit = answers.get(key)
+        if hit is None:
+            with _disable_current_modes(), torch._C.DisableTorchFunction():
+                hit = answers[key] = original(self, curr_local_size, num_chunks, rank, *args, **kwargs)
+        size, offsets = hit
+        return size, list(offsets) if isinstance(offsets, list) else offsets  # the caller's own list
 
     _StridedShard.local_shard_size_and_offset = eager
     try:
@@ -214,6 +223,19 @@ def set_default_group_timeout(timeout) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = timeout
+
+
+def ops_intercepted() -> bool:
+    """Whether anything stands between a torch op and its kernel right now: a ``torch.func``
+    transform (grad, vmap, jvp, functionalize) or a dispatch mode (make_fx's tracer,
+    ``FakeTensorMode``, ``FlopCounterMode``, ...). Both checks are flag reads."""
+    return torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``) is
+    recording right now."""
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 def strided_shard(placement) -> tuple[int, int] | None:
