@@ -66,6 +66,7 @@ from shardfn.core import moe
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked, zeros
 from shardfn.core.layers import RopeScaling
 from shardfn.core.pytree import PyTree, tree_map
+from shardfn.core.regional import repeated
 from shardfn.models import check, config_from_dict, hf_names
 from shardfn.models.hf_names import HFTensor
 from shardfn.models.llama import cross_entropy
@@ -533,41 +534,68 @@ def hf_config_keys(cfg: Config) -> dict[str, str]:
 # ----------------------------------------------------------------------------- forward
 
 
-def _attention(p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config) -> torch.Tensor:
+def _attention(p: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
     if cfg.attention == "gqa":
-        return L.gqa_attention(p, x, cos, sin, head_dim=cfg.head_dim)
+        return L.gqa_attention(p, x, cos, sin, head_dim=cfg.head_dim, positions=positions)
     scale = L.rope_softmax_factor(cfg.rope_scaling) / (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** 0.5
     return L.mla_attention(p, x, cos, sin, qk_nope_head_dim=cfg.qk_nope_head_dim,
                            qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, norm_eps=MLA_NORM_EPS,
-                           scale=scale)
+                           scale=scale, positions=positions)
 
 
-def dense_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config) -> torch.Tensor:
+@repeated
+def dense_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, positions=None) -> torch.Tensor:
     """One dense layer; ``p`` is a slice of ``params["dense_layers"]``."""
-    h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg)
+    h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, positions)
     return h + L.swiglu(p["mlp"], L.rms_norm(h, p["mlp_norm"], cfg.norm_eps))   # [B, S, D]
 
 
-def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, experts=None) -> tuple[torch.Tensor, dict]:
+def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, experts=None,
+              positions=None) -> tuple[torch.Tensor, dict]:
     """One MoE layer; ``p`` is a slice of ``params["moe_layers"]``. Returns ``(h, aux)``.
-    ``experts`` runs the routed experts (``core.moe.moe_layer``'s ``routed_fn``; None: this device)."""
-    h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg)
+    ``experts`` runs the routed experts (``core.moe.moe_layer``'s ``routed_fn``; None: this device).
+    ``positions`` ``[B, S]``: the tokens' positions when they are not in order (``llama.apply``)."""
+    h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, positions)
+    p, experts = shared_behind_dispatch(p, experts)
     y, aux = moe.moe_layer(p, L.rms_norm(h, p["mlp_norm"], cfg.norm_eps), cfg, routed_fn=experts)
     return h + y, aux                                                            # [B, S, D]
 
 
-def _hidden(params: PyTree, tokens: torch.Tensor, cfg: Config, experts=None):
-    """The main model's final-normed hidden state ``[B, S, D]``, the RoPE tables and ``aux``."""
+def shared_behind_dispatch(p: PyTree, experts=None) -> tuple[PyTree, object]:
+    """``(p, experts)`` for ``core.moe.moe_layer``, with the shared experts handed to ``experts``
+    when it takes them (``experts.takes_shared``: an expert-parallel region, which issues the
+    dispatch all-to-all first and computes the shared experts while it is in flight, then adds
+    their output after the routed one, as ``moe_layer`` does); otherwise unchanged.
+
+        p, routed = shared_behind_dispatch(p, experts)
+        y, aux = moe.moe_layer(p, x, cfg, routed_fn=routed)
+    """
+    if experts is None or "shared" not in p or not getattr(experts, "takes_shared", False):
+        return p, experts
+    s = p["shared"]
+
+    def routed_then_shared(x, indices, weights, w1, w2, w3):
+        return experts(x, indices, weights, w1, w2, w3, s["w1"], s["w2"], s["w3"])
+
+    return {k: v for k, v in p.items() if k != "shared"}, routed_then_shared
+
+
+def _hidden(params: PyTree, tokens: torch.Tensor, cfg: Config, experts=None, positions=None):
+    """The main model's final-normed hidden state ``[B, S, D]``, the RoPE tables and ``aux``.
+    ``positions`` ``[B, S]``: the tokens' positions when they are not in order (``llama.apply``)."""
     h = L.embedding(params["embed"], tokens)                                      # [B, S, D]
     cos, sin = L.rope_tables(tokens.shape[1], cfg.rope_dim, cfg.rope_theta, scaling=cfg.rope_scaling,
                              device=h.device, dtype=h.dtype)
-    for i in range(cfg.first_k_dense):
-        with torch.profiler.record_function(f"shardfn.layer.{i}"):
-            h = dense_block(tree_map(lambda w: w[i], params["dense_layers"]), h, cos, sin, cfg)
+    if positions is not None:
+        cos, sin = L.rope_at(cos, sin, positions)                                 # [B, 1, S, rope]
+    for i, p in enumerate(L.unstack(params["dense_layers"], cfg.first_k_dense) if cfg.first_k_dense else []):
+        with L.scope(f"shardfn.layer.{i}"):
+            h = dense_block(p, h, cos, sin, cfg, positions)
     counts, balance = [], []
-    for i in range(cfg.n_moe_layers):
-        with torch.profiler.record_function(f"shardfn.layer.{cfg.first_k_dense + i}"):
-            h, aux = moe_block(tree_map(lambda w: w[i], params["moe_layers"]), h, cos, sin, cfg, experts)
+    for i, p in enumerate(L.unstack(params["moe_layers"], cfg.n_moe_layers)):
+        with L.scope(f"shardfn.layer.{cfg.first_k_dense + i}"):
+            h, aux = moe_block(p, h, cos, sin, cfg, experts, positions)
         counts.append(aux["expert_counts"])
         balance.append(aux["balance_loss"])
     h = L.rms_norm(h, params["norm"], cfg.norm_eps)
@@ -579,7 +607,8 @@ def _head(params: PyTree, cfg: Config) -> torch.Tensor:
     return params["embed"].t() if cfg.tie_embeddings else params["out"]          # [D, V]
 
 
-def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
+def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None,
+                   positions=None) -> tuple[torch.Tensor, dict]:
     """Logits ``[B, S, vocab]`` and ``aux``: ``expert_counts`` ``[n_moe_layers, E]`` int64 and
     ``balance_loss`` (0-d, the sum over layers, already times ``aux_loss_alpha``). The
     multi-token-prediction modules do not run (:func:`apply_with_mtp` runs them).
@@ -587,7 +616,7 @@ def apply_with_aux(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts
     Example:
         logits, aux = apply_with_aux(params, tokens, cfg)
     """
-    h, _, _, aux = _hidden(params, tokens, cfg, experts)
+    h, _, _, aux = _hidden(params, tokens, cfg, experts, positions)
     return L.linear(h, _head(params, cfg)), aux                                   # [B, S, V]
 
 
@@ -632,7 +661,7 @@ def apply_with_mtp(params: PyTree, tokens: torch.Tensor, cfg: Config, *,
     logits, depths, counts, balance = L.linear(h, head), [], [], [aux["balance_loss"]]
     for k in range(1, cfg.mtp_depth + 1):
         n = tokens.shape[1] - k
-        with torch.profiler.record_function(f"shardfn.mtp.{k}"):
+        with L.scope(f"shardfn.mtp.{k}"):
             p = tree_map(lambda w: w[k - 1], params["mtp"])
             emb = L.embedding(params["embed"], tokens[:, k:])                        # [B, S-k, D]: tokens i+k
             h, mtp_aux = mtp_block(p, h[:, :n], emb, cos[:n], sin[:n], cfg, experts)
@@ -680,10 +709,13 @@ def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> t
     Example:
         (value, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
     """
-    if not cfg.mtp_depth:
-        logits, aux = apply_with_aux(params, batch["inputs"], cfg, experts=experts)
+    if not cfg.mtp_depth:  # batch["positions"]: the tokens' positions when a layout reordered them
+        logits, aux = apply_with_aux(params, batch["inputs"], cfg, experts=experts, positions=batch.get("positions"))
         ce = cross_entropy(logits, batch["targets"])
         return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
+    if "positions" in batch:
+        raise ValueError("model.mtp_depth > 0 reads the tokens in order (depth k shifts them by k), but the batch "
+                         "has reordered tokens (batch['positions'], mesh.cp > 1); set model.mtp_depth=0 or mesh.cp=1")
     logits, depths, aux = apply_with_mtp(params, batch["inputs"], cfg, experts=experts)
     ce, mtp = cross_entropy(logits, batch["targets"]), mtp_loss(depths, batch["targets"])
     value = ce + aux["balance_loss"] + cfg.mtp_loss_weight * mtp

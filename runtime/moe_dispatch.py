@@ -261,7 +261,8 @@ class ExpertRegion:
     ``ep_axis``); routed-expert weights ``[E, ...]`` over ``ep_axis``. With ``shared``, the shared
     experts' SwiGLU weights ``s1 [D, Hs], s2 [Hs, D], s3 [D, Hs]`` come last and their output is
     added, computed while the dispatch exchange is in flight. The exchange runs in the runtime
-    (``ep_forward``/``ep_backward``), once forward and once backward; :attr:`exchange` records it.
+    (``ep_forward``/``ep_backward``), once forward and once backward; :attr:`exchange` records it,
+    and :attr:`takes_shared` tells the model layer to hand the shared experts over.
 
         routed = ExpertRegion(mesh, ("ep",), "ep", 8)
         y = routed(x, idx, weights, w1, w2, w3)
@@ -277,6 +278,7 @@ class ExpertRegion:
         group_name = mesh.device_mesh.get_group(ep_axis).group_name
         tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
         self.exchange = Exchange()
+        self.takes_shared = shared
         exchange = register_exchange(self.exchange)
 
         def forward(x, idx, weights, w1, w2, w3, *s):

@@ -2,7 +2,8 @@
 
 The layout comes from the config alone: ``mesh`` sizes and logical-axis ``rules`` give a spec
 for every parameter, the optimizer state follows the parameters, the global batch is split over
-the data axes, and gradients are constrained to the parameters' specs (so under ``fsdp`` they
+the data axes (and its sequence over ``cp``, in the load-balanced order of
+``partition.context``), and gradients are constrained to the parameters' specs (so under ``fsdp`` they
 are reduce-scattered, under ``dp`` all-reduced). Model code is untouched.
 
     step = mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))
@@ -21,12 +22,14 @@ from torch.distributed.tensor import DTensor
 import shardfn as sf
 from shardfn.core import optim
 from shardfn.core.pytree import tree_map
+from shardfn.partition.context import balanced_batch
 from shardfn.partition.layouts import (
     batch_spec,
     mesh_axes,
     param_specs,
     reshard_after_forward,
     resolve_rules,
+    seq_split,
     state_specs,
 )
 from shardfn.partition.remat import remat_pass
@@ -105,12 +108,14 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         in_specs=in_specs, memory_budget=cfg.partition.memory_budget,
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
-        reshard_after_forward=reshard_after_forward(cfg),
-        passes={"after_trace": [remat_pass(cfg.train.remat)]} if cfg.train.remat != "none" else None,
+        reshard_after_forward=reshard_after_forward(cfg), bucket_bytes=cfg.partition.bucket_bytes,
+        passes=_passes(cfg),
     )
     last: dict = {}
+    split = seq_split(specs["rules"], mesh.axes)
 
     def run(params, opt_state, batch):
+        batch = balanced_batch(batch, split)  # context parallelism: load-balanced tokens and their positions
         last["lowered"] = jitted.lower(params, opt_state, batch)  # cached after the first call
         params, opt_state, metrics = jitted(params, opt_state, batch)
         return params, opt_state, {k: v.to_local() if isinstance(v, DTensor) else v for k, v in metrics.items()}
@@ -130,6 +135,19 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
 
     return Step("mesh", run, optimizer, place, identity_state, identity_state, full, specs=specs, mesh=mesh,
                 jitted=jitted, comm_report=report("comm_report"), memory_report=report("memory_report"))
+
+
+def _passes(cfg) -> dict | None:
+    """The graph passes a run config asks for: ``train.remat`` after trace, ``partition.overlap``
+    after lower (``docs/passes.md``)."""
+    passes = {}
+    if cfg.train.remat != "none":
+        passes["after_trace"] = [remat_pass(cfg.train.remat)]
+    if cfg.partition.overlap:
+        from shardfn.partition.overlap import overlap_pass
+
+        passes["after_lower"] = [overlap_pass(cfg.partition.overlap_bytes)]
+    return passes or None
 
 
 def distribute(tree: Any, specs: Any, mesh) -> Any:
@@ -173,7 +191,9 @@ def expert_region(model, model_cfg, mesh, specs):
 
     n_experts = units["expert"][1]
     if mesh.axes.get("ep", 1) > 1:
-        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, model_cfg.capacity_factor)
+        shared = getattr(model_cfg, "n_shared_experts", 0) > 0
+        # with shared experts, the layer hands them to the region, which runs them while the dispatch is in flight
+        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, model_cfg.capacity_factor, shared=shared)
     return moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
 
 
