@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--search: pipeline schedules to try, comma-separated")
     parser.add_argument("--microbatches", default=None, metavar="LIST",
                         help="--search: microbatch counts to try, comma-separated (default: pp x 1, 2, 4, 8)")
+    parser.add_argument("--budget", type=float, default=100.0, metavar="SECONDS",
+                        help="--search: stop lowering new meshes after this many seconds and report what is left "
+                             "(default 100; 0: no limit)")
     parser.add_argument("--max-tp", type=int, default=None, metavar="N",
                         help="--search: largest tp to try (default: the hardware's gpus_per_node)")
 
@@ -87,7 +90,8 @@ def _search(cfg, args: argparse.Namespace, dtype) -> int:
     checkpointing = (True,) if args.checkpointing else (False, True)
     result = planner.search(cfg, args.gpus, hardware=args.hardware, dtype=dtype, schedules=schedules,
                             microbatches=microbatches, checkpointing=checkpointing, max_tp=args.max_tp,
-                            top=args.top, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                            top=args.top, budget_s=args.budget or None,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(result.to_list()))
     else:

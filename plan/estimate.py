@@ -28,6 +28,7 @@ from shardfn.plan.inventory import (
 )
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, inflight, makespan_units, rank_stages
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, lower_pipeline, profile
+from shardfn.plan.runmodel import RunSpec, run_estimate
 from shardfn.runtime.train_step import precision_policy
 
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -65,6 +66,7 @@ class Plan:
     budgeted: bool = False  # capacity_bytes is partition.memory_budget, not the device's memory
     precision: str = "fp32"  # the run's train.precision and train.remat the plan describes
     remat: str = "none"
+    run: dict = field(default_factory=dict)  # the GPU run's estimate, term by term (plan.runmodel)
 
     @property
     def comm_by_axis(self) -> dict:
@@ -80,7 +82,7 @@ class Plan:
             "comm": [dict(r) for r in self.comm], "comm_by_axis": self.comm_by_axis, "time": dict(self.time),
             "memory_capacity_bytes": self.capacity_bytes, "fits": self.fits,
             "headroom_bytes": self.capacity_bytes - self.per_rank["peak_bytes"],
-            "trace": dict(self.trace), "notes": list(self.notes),
+            "trace": dict(self.trace), "notes": list(self.notes), "run": dict(self.run),
         }
 
 
@@ -139,9 +141,24 @@ def _step_comm(prof: Profile, share: RankShare, leaves: Sequence[Leaf], tied: bo
 
 
 
+def profile_key(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> tuple:
+    """The key of the traced profile :func:`make_plan` uses for ``layout`` (in a search's
+    ``profiles`` cache): layouts that share it differ only in pipeline depth and schedule.
+
+    Example:
+        profile_key(cfg, Layout(pp=2, dp=4)) == profile_key(cfg, Layout(pp=4, dp=4))  # when rows agree
+    """
+    from shardfn.plan.profile import _profile_key
+
+    run = run_config(cfg, dtype, layout.checkpointing)
+    rows = run.train.batch_size // layout.data_size // layout.microbatches
+    full = layout.pp == 1 and run.model.n_layers <= FULL_TRACE_MAX_LAYERS
+    return _profile_key(run, layout.axes(include_pp=False), rows, torch.float32, full)
+
+
 def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "h200",
               dtype: torch.dtype = torch.float32, checkpointing: bool | None = None, gpus: int | None = None,
-              full_trace: bool | None = None, profiles: dict | None = None) -> Plan:
+              full_trace: bool | None = None, profiles: dict | None = None, progress=None) -> Plan:
     """Plan ``cfg`` under ``layout`` (default: the config's own mesh and pipeline) on ``hardware``.
 
     Args:
@@ -156,6 +173,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         gpus: if given, the layout's world size must equal it.
         full_trace: trace the whole model (True), reduced and scaled (False), or by size (None).
         profiles: a cache of traced profiles shared between plans (``None``: no cache).
+        progress: called with a line as each lowering starts and ends (e.g. ``print``).
 
     Raises:
         PlanError: the layout cannot run; ``key`` names the config key (``mesh.ep``).
@@ -188,7 +206,8 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         full_trace = layout.pp == 1 and mcfg.n_layers <= FULL_TRACE_MAX_LAYERS
     if full_trace and layout.pp > 1:
         raise PlanError("mesh.pp", "a whole-model trace has no stages; plan pp > 1 with full_trace=False")
-    prof = profile(cfg, layout.axes(include_pp=False), rows, dtype=dtype, full=full_trace, cache=profiles)
+    prof = profile(cfg, layout.axes(include_pp=False), rows, dtype=dtype, full=full_trace, cache=profiles,
+                   progress=progress)
     stages = stage_shares(model, cfg, layout, dtype)
     stage_saved, stage_comm = zip(*[_stage_mb(prof, s) for s in stages])
     n_layers = [sum(s.counts.values()) for s in stages]
@@ -256,6 +275,8 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         notes.append("bytes and collectives per rank from the lowered stage programs" if pipeline is not None else
                      "pipeline collectives from per-layer traces of the stage mesh; gradient sums held unsharded "
                      "over fsdp until the step's reduction")
+    run = run_estimate(cfg, layout, hardware=hw, spec=RunSpec(
+        remat=cfg.train.remat, compute_bytes=itemsize, reduce_bytes=4))
     return Plan(
         model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(compute), layout=layout,
         batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
@@ -267,7 +288,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         trace={"mode": "full" if prof.full else "scaled", "mesh": dict(prof.axes), "rows": prof.rows,
                "lowered": [dict(t) for t in prof.traces], "seconds": round(prof.seconds, 3)},
         notes=notes, budgeted=bool(cfg.partition.memory_budget), precision=cfg.train.precision,
-        remat=cfg.train.remat,
+        remat=cfg.train.remat, run=run,
     )
 
 

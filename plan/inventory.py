@@ -116,8 +116,9 @@ def layer_costs(model_name: str, model_cfg, rows: int, seq_len: int, dtype: torc
     model = models.get(model_name)
     stacks = model.stacks(model_cfg)
     reduced = model.with_layers(model_cfg, {k: 3 for k, _ in stacks})
-    with fake_mode():
-        params = model.init(reduced, 0, dtype=dtype)
+    shapes = meta_params(model, reduced, dtype)
+    with fake_mode():  # empty tensors of the parameters' shapes: drawing their values is slow and moot
+        params = optree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype), shapes, none_is_leaf=False)
         tokens = torch.zeros(rows, seq_len, dtype=torch.long)
     units = layer_units(
         trace_loss(lambda p, b: model.loss(p, b, reduced), params, {"inputs": tokens, "targets": tokens})
@@ -199,6 +200,21 @@ def state_bytes(state: Any, params: Any, local_bytes: Callable[[str, int], int])
     return total
 
 
+_META_STATES: dict = {}
+
+
+def _meta_state(cfg, model, dtype: torch.dtype):
+    """The meta parameters and the optimizer state ``init`` makes of them: the same for every
+    layout of a config, so kept for the last few configs (a search asks for each mesh)."""
+    key = (cfg.model_name, repr(cfg.model), repr(cfg.train), dtype)
+    if key not in _META_STATES:
+        if len(_META_STATES) >= 4:
+            _META_STATES.pop(next(iter(_META_STATES)))
+        params = meta_params(model, cfg.model, dtype)
+        _META_STATES[key] = (params, make_optimizer(cfg.train, model).init(params))
+    return _META_STATES[key]
+
+
 def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> list[dict]:
     """Exact ``{"params", "grads", "opt_state"}`` bytes on each pipeline rank, for the full model.
 
@@ -214,8 +230,7 @@ def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> 
     leaves = mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, dtype)
     by_path = {leaf.path: leaf for leaf in leaves}
     tied = cfg.model.tie_embeddings
-    params = meta_params(model, cfg.model, dtype)
-    state = make_optimizer(cfg.train, model).init(params)
+    params, state = _meta_state(cfg, model, dtype)
     out = []
     for share in rank_shares(model, cfg, layout, dtype):
         p = sum(local_numel(leaf, share, tied) * leaf.itemsize for leaf in leaves)

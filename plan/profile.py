@@ -10,7 +10,9 @@ each stack once more) whose differences are exact per-layer quantities.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -18,6 +20,7 @@ from typing import Mapping
 import optree
 import torch
 
+from shardfn.core._torch_private.propagation import PropagationCache, shared_propagation
 from shardfn.partition.fx import ancestors, descendants, is_view, nbytes
 from shardfn.partition.layouts import mesh_axes
 from shardfn.partition.report import collectives, peak_temporary_bytes
@@ -27,6 +30,10 @@ FULL_TRACE_MAX_LAYERS = 4
 
 Comm = dict
 """``{(op, axis): (bytes, count)}``: collectives per rank, summed by op and mesh axis."""
+
+PROPAGATION = PropagationCache()
+"""DTensor's sharding and redistribution answers, shared by every lowering of the planner while
+one (fake) process group lives: a second lowering on a mesh asks only what the first did not."""
 
 
 def comm_add(a: Comm, b: Comm, scale: float = 1) -> Comm:
@@ -91,6 +98,27 @@ def _representative(cfg, model_cfg, axes: Mapping[str, int], rows: int):
     return dataclasses.replace(cfg, model=model_cfg, mesh=mesh, train=train, pipeline=pipeline)
 
 
+def _step(cfg, dtype: torch.dtype):
+    """The run's partitioned step on a fake mesh of ``cfg.mesh`` (pp left out) and its fake
+    arguments ``(params, opt_state, batch)``."""
+    from shardfn import models
+    from shardfn.core._torch_private import fake_mode
+    from shardfn.partition.mesh import fake_mesh
+    from shardfn.runtime.partitioned import mesh_step
+    from shardfn.runtime.train_step import make_optimizer
+
+    model = models.get(cfg.model_name)
+    b, s = cfg.train.batch_size, cfg.train.seq_len
+    shapes = model.init(cfg.model, 0, device="meta", dtype=dtype)
+    with fake_mode():  # empty tensors of the parameters' shapes: drawing their values is slow and moot
+        params = optree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype), shapes, none_is_leaf=False)
+        optimizer = make_optimizer(cfg.train, model)
+        state = optimizer.init(params)
+        batch = {"inputs": torch.zeros(b, s, dtype=torch.long), "targets": torch.zeros(b, s, dtype=torch.long)}
+    mesh = fake_mesh(mesh_axes(cfg.mesh.axes(), include_pp=False))
+    return mesh_step(cfg, model, optimizer, params, mesh, backend=None), (params, state, batch)
+
+
 def lower_step(cfg, *, dtype: torch.dtype = torch.float32):
     """The run's train step lowered on a fake mesh of ``cfg.mesh`` (pp left out), with fake
     parameters, optimizer state and batch: nothing is allocated or run.
@@ -99,23 +127,30 @@ def lower_step(cfg, *, dtype: torch.dtype = torch.float32):
         lowered = lower_step(load_config("llama_tiny", ["mesh.dp=2", "mesh.tp=2"]))
         lowered.comm_report(), lowered.memory_report()
     """
-    from shardfn import models
-    from shardfn.core._torch_private import fake_mode
-    from shardfn.partition.layouts import mesh_axes
-    from shardfn.partition.mesh import fake_mesh
-    from shardfn.runtime.partitioned import mesh_step
-    from shardfn.runtime.train_step import make_optimizer
+    with shared_propagation(PROPAGATION):  # DTensor's answers, asked once per process group
+        step, args = _step(cfg, dtype)
+        return step.jitted.lower(*args)
 
-    model = models.get(cfg.model_name)
-    b, s = cfg.train.batch_size, cfg.train.seq_len
-    with fake_mode():
-        params = model.init(cfg.model, 0, dtype=dtype)
-        optimizer = make_optimizer(cfg.train, model)
-        state = optimizer.init(params)
-        batch = {"inputs": torch.zeros(b, s, dtype=torch.long), "targets": torch.zeros(b, s, dtype=torch.long)}
-    mesh = fake_mesh(mesh_axes(cfg.mesh.axes(), include_pp=False))
-    step = mesh_step(cfg, model, optimizer, params, mesh, backend=None)
-    return step.jitted.lower(params, state, batch)
+
+def trace_step(cfg, *, dtype: torch.dtype = torch.float32):
+    """The run's train step traced at global shapes, with the passes its lowering runs first
+    (``train.remat``'s), and not lowered: the program :func:`lower_step` partitions, node for
+    node, at a small part of its cost. Its saved activations, spread over the mesh, bound each
+    rank's from below (:func:`saved_profile`).
+
+    Example:
+        traced = trace_step(load_config("llama_tiny", ["mesh.tp=2"]))
+        traced.graph_module.graph
+    """
+    from shardfn.partition.api import run_passes
+    from shardfn.partition.local_map import mesh_scope
+    from shardfn.partition.trace import trace
+
+    step, args = _step(cfg, dtype)
+    jitted = step.jitted
+    with mesh_scope(jitted.mesh):
+        traced = trace(jitted.fn, args)
+    return run_passes(jitted.passes, "after_trace", traced)
 
 
 def lower_pipeline(cfg, layout=None, *, dtype: torch.dtype = torch.float32):
@@ -202,7 +237,7 @@ def measure(lowered) -> Measure:
     params = [(p.partition(".")[2], m) for p, m in zip(traced.in_paths, traced.in_meta) if p.startswith("0.")]
     leaf_of = _match_leaves(sinks, params)
     mb, shared, leaf = {}, {}, {}
-    for row in collectives(gm, lowered.mesh):
+    for row in _unbucketed(collectives(gm, lowered.mesh)):
         one = {(row["op"], row["axis"]): (row["bytes"], 1)}
         if row["node"] in leaf_of:
             path = leaf_of[row["node"]]
@@ -212,6 +247,20 @@ def measure(lowered) -> Measure:
         else:
             mb = comm_add(mb, one)
     return Measure(saved_bytes(gm, loss), mb, leaf, shared, peak_temporary_bytes(gm), len(gm.graph.nodes))
+
+
+def _unbucketed(rows: list[dict]) -> list[dict]:
+    """Collective rows with each bucket (``partition/bucket.py``) split back into one row per
+    tensor it carries: a plan counts collectives per tensor, so a layer's share scales with
+    the layer count; buckets merge them at run time, bytes unchanged."""
+    out = []
+    for row in rows:
+        if "bucket" not in row:
+            out.append(row)
+            continue
+        for node, size in zip(row["bucket"], row["bucket_bytes"]):
+            out.append({**row, "node": node, "bytes": size})
+    return out
 
 
 def _match_leaves(sinks: list, params: list) -> dict:
@@ -227,20 +276,51 @@ def _match_leaves(sinks: list, params: list) -> dict:
     return out
 
 
-def _trace(cfg, counts: Mapping[str, int], axes, rows, dtype) -> tuple[Measure, dict]:
+def _trace(cfg, counts: Mapping[str, int], axes, rows, dtype, progress=None) -> tuple[Measure, dict]:
     from shardfn import models
 
     rep = _representative(cfg, models.get(cfg.model_name).with_layers(cfg.model, counts), axes, rows)
+    what = (f"lowering {' + '.join(f'{n} {k}' for k, n in counts.items())} on "
+            f"{' '.join(f'{a}={n}' for a, n in axes.items() if n > 1) or '1 device'}, {rows} rows")
+    if progress:
+        progress(f"  {what} ...")
     tic = time.perf_counter()
-    m = measure(lower_step(rep, dtype=dtype))
-    return m, {"layers": dict(counts), "seconds": round(time.perf_counter() - tic, 3), "nodes": m.nodes}
+    with _ticking(progress, what):
+        m = measure(lower_step(rep, dtype=dtype))
+    seconds = time.perf_counter() - tic
+    if progress:
+        progress(f"  {what}: {seconds:.1f} s")
+    return m, {"layers": dict(counts), "seconds": round(seconds, 3), "nodes": m.nodes}
+
+
+@contextlib.contextmanager
+def _ticking(progress, what: str, every: float = 10.0):
+    """While the body runs, say every ``every`` seconds how long ``what`` has taken so far."""
+    if progress is None:
+        yield
+        return
+    tic, done = time.perf_counter(), threading.Event()
+
+    def tick():
+        while not done.wait(every):
+            progress(f"  {what}: {time.perf_counter() - tic:.0f} s so far")
+
+    thread = threading.Thread(target=tick, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = torch.float32,
-            full: bool | None = None, cache: dict | None = None) -> Profile:
+            full: bool | None = None, cache: dict | None = None, progress=None) -> Profile:
     """The per-microbatch :class:`Profile` of ``cfg``'s model on a mesh of ``axes`` at ``rows``
     rows per rank and microbatch. ``cache`` (a dict the caller owns, e.g. one per search) keeps
-    profiles per model, rules, axes, rows, dtype and sequence.
+    profiles per model, rules, axes, rows, dtype and ``train`` section (precision and remat
+    included). ``progress`` (e.g. ``print``) hears each lowering as it starts and ends, and
+    every 10 s of a long one.
 
     ``full=None`` traces the whole model when it has at most :data:`FULL_TRACE_MAX_LAYERS`
     layers; otherwise one layer per stack, then each stack once more, and the differences.
@@ -254,21 +334,20 @@ def profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = tor
     stacks = models.get(cfg.model_name).stacks(cfg.model)
     if full is None:
         full = cfg.model.n_layers <= FULL_TRACE_MAX_LAYERS
-    key = (repr(cfg.model), repr(sorted((k, repr(v)) for k, v in cfg.rules.items())), tuple(axes.items()), rows,
-           str(dtype), cfg.train.seq_len, repr(cfg.train), full)
+    key = _profile_key(cfg, axes, rows, dtype, full)
     if cache is not None and key in cache:
         return cache[key]
     if full:
         counts = dict(stacks)
-        m, info = _trace(cfg, counts, axes, rows, dtype)
+        m, info = _trace(cfg, counts, axes, rows, dtype, progress)
         prof = Profile(axes, rows, (m.saved_bytes, m.mb_comm), {}, m.leaf_comm, counts, m.shared_comm, True, (info,),
                        m.peak_temporary_bytes)
     else:
         base_counts = {k: 1 for k, _ in stacks}
-        base, info = _trace(cfg, base_counts, axes, rows, dtype)
+        base, info = _trace(cfg, base_counts, axes, rows, dtype, progress)
         infos, per_layer = [info], {}
         for k, _ in stacks:
-            more, info = _trace(cfg, {**base_counts, k: 2}, axes, rows, dtype)
+            more, info = _trace(cfg, {**base_counts, k: 2}, axes, rows, dtype, progress)
             infos.append(info)
             per_layer[k] = (more.saved_bytes - base.saved_bytes, comm_round(comm_add(more.mb_comm, base.mb_comm, -1)))
         const_saved = base.saved_bytes - sum(s for s, _ in per_layer.values())
@@ -280,3 +359,69 @@ def profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = tor
     if cache is not None:
         cache[key] = prof
     return prof
+
+
+def _profile_key(cfg, axes: Mapping[str, int], rows: int, dtype: torch.dtype, full: bool) -> tuple:
+    return (repr(cfg.model), repr(sorted((k, repr(v)) for k, v in cfg.rules.items())), tuple(axes.items()), rows,
+            str(dtype), cfg.train.seq_len, repr(cfg.train), full)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Saved activation bytes of a step's global program (every rank's values whole), per
+    microbatch: ``base`` (what is not a layer; with ``full``, the whole model) plus
+    ``per_layer[stack]`` per layer of each stack, as :class:`Profile` splits them."""
+
+    base: int
+    per_layer: dict
+    full: bool
+    seconds: float
+    traces: int          # programs traced (1 whole model, or 1 + one per stack)
+
+
+def saved_profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = torch.float32,
+                  full: bool | None = None, cache: dict | None = None) -> Saved:
+    """What :func:`profile` measures as saved activations, but of the traced global program
+    (:func:`trace_step`, nothing lowered): the same representative steps, layer counts and
+    differences, each a fraction of a lowering's cost.
+
+    It bounds the lowered program from below: lowering runs each global node as one per-rank
+    node (plus collectives), so each value the global backward reads has a per-rank counterpart
+    the rank's backward reads (the value itself, or a collective's result from it), holding at
+    least ``1 / ranks`` of its bytes; so every rank of the mesh (``ranks`` = the product of
+    ``axes``) saves at least ``saved / ranks`` of each part. ``cache`` as for :func:`profile`.
+
+    Example:
+        low = saved_profile(cfg, {"dp": 8, "ep": 8}, rows=1)
+        low.per_layer["moe_layers"] / 64      # <= profile(...).per_layer["moe_layers"][0]
+    """
+    from shardfn import models
+
+    axes = mesh_axes(axes, include_pp=False)
+    model = models.get(cfg.model_name)
+    stacks = model.stacks(cfg.model)
+    if full is None:
+        full = cfg.model.n_layers <= FULL_TRACE_MAX_LAYERS
+    key = ("saved", *_profile_key(cfg, axes, rows, dtype, full))
+    if cache is not None and key in cache:
+        return cache[key]
+    tic = time.perf_counter()
+
+    def saved(counts) -> int:
+        rep = _representative(cfg, model.with_layers(cfg.model, counts), axes, rows)
+        traced = trace_step(rep, dtype=dtype)
+        gm = traced.graph_module
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        return saved_bytes(gm, outputs[_output_index(traced, (2, "loss"))])
+
+    if full:
+        out = Saved(saved(dict(stacks)), {}, True, 0.0, 1)
+    else:
+        base_counts = {k: 1 for k, _ in stacks}
+        base = saved(base_counts)
+        per_layer = {k: saved({**base_counts, k: 2}) - base for k, _ in stacks}
+        out = Saved(base - sum(per_layer.values()), per_layer, False, 0.0, 1 + len(per_layer))
+    out = dataclasses.replace(out, seconds=round(time.perf_counter() - tic, 3))
+    if cache is not None:
+        cache[key] = out
+    return out

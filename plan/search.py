@@ -12,9 +12,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from shardfn.core.units import format_bytes
 from shardfn.partition.hardware import Hardware, load_hardware
 from shardfn.partition.layouts import MESH_AXES, divisors
-from shardfn.plan.estimate import make_plan, step_time
+from shardfn.plan.estimate import make_plan, profile_key, step_time
 from shardfn.plan.inventory import Leaf, RankShare, leaf_on_rank, memory_bytes, mesh_leaves, model_facts, stage_shares
 from shardfn.plan.layout import Layout, PlanError, check_layout_batch, check_mesh, check_pipeline, inflight
 from shardfn.plan.profile import Comm
@@ -26,9 +27,10 @@ class SearchResult:
 
     ``refused`` are layouts that cannot run (``{"layout", "key", "reason"}``); ``too_big`` those
     whose peak memory exceeds the device (``{"layout", "peak_bytes", "bound"}``, ``bound`` True
-    when a lower bound already ruled them out without tracing); ``not_planned`` how many valid
-    layouts were never planned because a lower bound on their step time was slower than the
-    ``top`` fitting plans found.
+    when a lower bound already ruled them out without lowering their step: from shapes alone,
+    or from the step traced but not lowered); ``not_planned`` how many valid layouts were never
+    planned because a lower bound on their step time was slower than the ``top`` fitting plans
+    found.
 
     Example:
         found = search(cfg, gpus=1024); found.plans[0].layout.describe()
@@ -40,7 +42,13 @@ class SearchResult:
     refused: list
     not_planned: int
     seconds: float
-    traced_profiles: int
+    traced_profiles: int          # distinct profiles (mesh without pp, microbatch rows, remat) the plans used
+    planned: int = 0              # layouts planned
+    lowered: int = 0              # steps lowered for their profiles (three per new profile of a large model)
+    traced: int = 0               # steps traced but not lowered, for the traced memory bound
+    over_budget: int = 0          # of not_planned: left when the time budget was spent
+    over_budget_bound: float | None = None  # the least step-time bound among those
+    budget_s: float | None = None
 
     def to_list(self) -> list[dict]:
         """The fitting plans as JSON objects, fastest first (``shardfn plan --search --json``)."""
@@ -76,6 +84,11 @@ def _microbatch_options(cfg, axes: dict) -> list[int]:
     return sorted(m for m in wanted if per_rank % m == 0) or [first]
 
 
+def _static_key(layout: Layout) -> tuple:
+    """What a mesh's parameter, gradient and optimizer bytes per pp rank depend on besides it."""
+    return layout.stages_per_rank, layout.schedule if layout.stages_per_rank > 1 else ""
+
+
 def _fsdp_comm(leaves: Sequence[Leaf], share: RankShare, layout: Layout, tied: bool) -> tuple[Comm, Comm]:
     """The least ``fsdp`` traffic of a rank's share: per microbatch, each fsdp-sharded weight
     gathered once (``(bytes, count)``, bytes of the gathered output); per step, its gradient
@@ -106,7 +119,7 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
     tokens_mb = rows * cfg.train.seq_len
-    stages = stage_shares(model, cfg, layout, dtype)
+    stages = stage_shares(model, cfg, layout)  # the plan's split (fp32 master weights)
     held_layers, _, _ = inflight(layout, [sum(s.counts.values()) for s in stages])
     input_bytes = tokens_mb * mcfg.dim * itemsize
     peak = max(s["params"] + s["grads"] + s["opt_state"] + h * input_bytes for s, h in zip(static, held_layers))
@@ -117,10 +130,46 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     return peak, t["step_s"]
 
 
+def _traced_peak_bound(cfg, layout: Layout, dtype, static: list[dict], leaves: Sequence[Leaf], cache: dict) -> int:
+    """A lower bound on the layout's peak memory from its step traced but not lowered
+    (:func:`~shardfn.plan.profile.saved_profile`): each stage saves at least its share of the
+    global program's saved activations over the stage mesh's ranks (and at least each layer's
+    input, as :func:`_lower_bounds` counts), held for the schedule's in-flight microbatches,
+    plus one layer's working set as the plan counts it (its activations so bounded, its
+    weights gathered over ``fsdp``). ``cache`` keeps the traced programs' numbers."""
+    from shardfn import models
+    from shardfn.plan.estimate import FULL_TRACE_MAX_LAYERS, _transient, run_config
+    from shardfn.plan.inventory import rank_shares
+    from shardfn.plan.profile import saved_profile
+
+    model, mcfg = models.get(cfg.model_name), cfg.model
+    run = run_config(cfg, dtype, layout.checkpointing)
+    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
+    input_bytes = rows * cfg.train.seq_len * mcfg.dim * torch.empty((), dtype=dtype).element_size()
+    full = layout.pp == 1 and mcfg.n_layers <= FULL_TRACE_MAX_LAYERS  # as make_plan traces it
+    ranks = layout.world_size // layout.pp
+    low = saved_profile(run, layout.axes(include_pp=False), rows, full=full, cache=cache)
+    stages = stage_shares(model, cfg, layout)
+    if low.full:
+        stage_low = [low.base // ranks]
+        layer_low = {k: low.base // mcfg.n_layers // ranks for k, _ in model.stacks(mcfg)}
+    else:
+        layer_low = {k: max(0, b) // ranks for k, b in low.per_layer.items()}
+        stage_low = [sum(n * layer_low[k] for k, n in s.counts.items()) + (max(0, low.base) // ranks if s.last else 0)
+                     for s in stages]
+    stage_low = [max(lo, sum(s.counts.values()) * input_bytes) for lo, s in zip(stage_low, stages)]
+    held, _, _ = inflight(layout, stage_low)
+    tied = mcfg.tie_embeddings
+    peak = max(st["params"] + st["grads"] + st["opt_state"] + h + _transient(leaves, share, layer_low, layout, tied)
+               for st, h, share in zip(static, held, rank_shares(model, cfg, layout)))
+    return peak
+
+
 def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dtype = torch.float32,
            schedules: Sequence[str] = ("1f1b", "interleaved_1f1b", "zbh1", "dualpipev"),
            microbatches: Sequence[int] | None = None, checkpointing: Sequence[bool] = (False, True),
            max_tp: int | None = None, top: int = 10, progress: Callable[[str], Any] | None = None,
+           budget_s: float | None = None,
            profiles: dict | None = None) -> SearchResult:
     """Layouts of ``cfg`` on ``gpus`` devices that fit, ranked by estimated step time.
 
@@ -128,10 +177,16 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
     the hardware's ``gpus_per_node``) is combined with microbatch counts (``microbatches``, or
     ``pp x 1, 2, 4, 8``, and one row per microbatch when that is within that range), ``schedules`` (``1f1b`` alone when
     ``pp == 1``) and ``checkpointing``. Invalid layouts are refused with the key to change.
-    The valid ones are ordered by a lower bound on their step time and planned in that order
-    (one traced profile per distinct mesh and microbatch size), skipping any whose lower bound
-    on peak memory already exceeds the device, until ``top`` fitting plans are found that no
-    unplanned layout can beat.
+    The valid ones are ordered by a lower bound on their step time and planned in that order,
+    skipping any whose lower bound on peak memory already exceeds the device, until ``top``
+    fitting plans are found that no unplanned layout can beat. Layouts that share the mesh
+    without ``pp``, the microbatch rows and checkpointing share one traced profile (``profiles``,
+    a dict the caller may keep between searches), so pipeline depths and schedules cost no
+    lowering of their own. ``progress`` (e.g. ``print``) hears what is bounded, planned and
+    lowered, and how long each took. ``budget_s`` bounds the search's time: once it is spent no
+    new mesh is lowered (layouts whose profile is already traced are still planned, a fraction of
+    a second each), and the result says how many layouts were left and the least step-time bound
+    among them (``None``: plan until the ``top`` plans are proven best).
 
     Example:
         found = search(load_config("kimi_k2_1t"), gpus=1024, hardware="h200", top=5)
@@ -140,22 +195,32 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
     from shardfn import models
 
     tic = time.perf_counter()
-    profiles = {} if profiles is None else profiles  # one traced profile per mesh and microbatch size
+    say = progress or (lambda line: None)
+    profiles = {} if profiles is None else profiles  # one traced profile per mesh, microbatch rows and remat
+    known = set(profiles)
     hw = load_hardware(hardware)
     model = models.get(cfg.model_name)
     max_tp = max_tp or hw.gpus_per_node
     capacity = int(cfg.partition.memory_budget or hw.hbm_bytes)
     facts = model_facts(model, cfg.model, mesh_leaves(model, cfg.model, {a: 1 for a in MESH_AXES}, cfg.rules, dtype))
     refused, too_big, candidates = [], [], []
-    for axes in _mesh_candidates(cfg, gpus, max_tp):
+    statics: dict = {}       # (mesh, stages per rank and schedule) -> memory_bytes per pp rank
+    fsdp_leaves: dict = {}   # mesh -> its leaves, when it has fsdp (the bounds' least fsdp traffic)
+    meshes = _mesh_candidates(cfg, gpus, max_tp)
+    say(f"search: {len(meshes)} meshes of {gpus} devices; bounding the step time and memory of their layouts")
+    last_said = time.perf_counter()
+    for i, axes in enumerate(meshes):
+        if time.perf_counter() - last_said > 2:
+            say(f"  bounds: {i}/{len(meshes)} meshes, {len(candidates)} layouts ({time.perf_counter() - tic:.0f} s)")
+            last_said = time.perf_counter()
         mesh_layout = Layout(**axes)
         try:
             check_mesh(cfg, mesh_layout)
         except PlanError as e:
             refused.append({"layout": mesh_layout.describe(), "key": e.key, "reason": str(e)})
             continue
-        static_cache: dict = {}
-        fsdp_leaves = mesh_leaves(model, cfg.model, mesh_layout.axes(), cfg.rules, dtype) if axes["fsdp"] > 1 else ()
+        mesh = tuple(mesh_layout.axes().items())
+        fsdp_leaves[mesh] = mesh_leaves(model, cfg.model, axes, cfg.rules, dtype) if axes["fsdp"] > 1 else ()
         for m in (microbatches or _microbatch_options(cfg, axes)):
             for sched in (schedules if axes["pp"] > 1 else ("1f1b",)):
                 for ckpt in checkpointing:
@@ -166,29 +231,58 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
                     except PlanError as e:
                         refused.append({"layout": layout.describe(), "key": e.key, "reason": str(e)})
                         continue
-                    skey = (layout.stages_per_rank, sched if layout.stages_per_rank > 1 else "")
-                    if skey not in static_cache:
-                        static_cache[skey] = memory_bytes(cfg, layout)  # fp32 master weights and state
-                    peak, step = _lower_bounds(cfg, layout, hw, dtype, facts, static_cache[skey], fsdp_leaves)
+                    skey = (mesh, _static_key(layout))
+                    if skey not in statics:
+                        statics[skey] = memory_bytes(cfg, layout)  # fp32 master weights and state
+                    peak, step = _lower_bounds(cfg, layout, hw, dtype, facts, statics[skey], fsdp_leaves[mesh])
                     if peak > capacity:
                         too_big.append({"layout": layout.describe(), "peak_bytes": peak, "bound": True})
                     else:
                         candidates.append((step, layout))
     candidates.sort(key=lambda c: (c[0], c[1].describe()))
-    plans, planned, meshes = [], 0, set()
-    for bound, layout in candidates:
-        if len(plans) >= top and bound >= plans[top - 1].time["step_s"]:
-            break
-        if progress:
-            progress(f"planning {layout.describe()} (bound {bound:.3g} s)")
+    say(f"search: {len(candidates)} layouts to plan in order of their step-time bound, {len(too_big)} whose "
+        f"memory bound exceeds {format_bytes(capacity)}, {len(refused)} refused ({time.perf_counter() - tic:.1f} s)")
+    plans, planned, used, skipped, saved = [], 0, set(), 0, {}
+    pending, over_budget = list(candidates), []
+    while pending:
+        if top and len(plans) >= top:  # what cannot beat the top plans is not planned
+            pending = [c for c in pending if c[0] < plans[top - 1].time["step_s"]]
+            if not pending:
+                break
+        # a layout whose profile another layout already lowered costs a fraction of a second to
+        # plan: those go first, so the top plans fill (and prune the rest) before a new lowering
+        pick = next((c for c in pending if profile_key(cfg, c[1], dtype) in profiles), None)
+        if pick is None:
+            if budget_s is not None and time.perf_counter() - tic > budget_s:
+                over_budget = pending
+                say(f"search: the {budget_s:.0f} s budget is spent; {len(pending)} layouts (step >= "
+                    f"{min(c[0] for c in pending):.3g} s) would need a new lowering and are not planned")
+                break
+            pick = pending[0]
+        pending.remove(pick)
+        bound, layout = pick
+        started = time.perf_counter()
+        mesh = tuple(layout.axes().items())
+        peak = _traced_peak_bound(cfg, layout, dtype, statics[mesh, _static_key(layout)], fsdp_leaves[mesh], saved)
+        if peak > capacity:
+            skipped += 1
+            too_big.append({"layout": layout.describe(), "peak_bytes": peak, "bound": True})
+            say(f"[{planned + skipped}] {layout.describe()}: peak >= {format_bytes(peak)} by its traced step, "
+                f"over {format_bytes(capacity)} ({time.perf_counter() - started:.1f} s)")
+            continue
+        say(f"[{planned + skipped + 1}] planning {layout.describe()} (step >= {bound:.3g} s)")
         plan = make_plan(cfg, layout, hardware=hw, dtype=dtype, full_trace=False if layout.pp > 1 else None,
-                         profiles=profiles)
+                         profiles=profiles, progress=say)
         planned += 1
-        meshes.add((tuple(layout.axes(include_pp=False).items()), plan.batch["microbatch_rows"]))
+        used.add((tuple(plan.trace["mesh"].items()), plan.trace["rows"], plan.remat))
+        say(f"  step {plan.time['step_s']:.3g} s, {format_bytes(plan.per_rank['peak_bytes'])} per rank: "
+            f"{'fits' if plan.fits else 'does not fit'} ({time.perf_counter() - started:.1f} s)")
         if plan.fits:
             plans.append(plan)
             plans.sort(key=lambda p: p.time["step_s"])
         else:
             too_big.append({"layout": layout.describe(), "peak_bytes": plan.per_rank["peak_bytes"], "bound": False})
-    return SearchResult(gpus, plans[:top] if top else plans, too_big, refused, len(candidates) - planned,
-                        time.perf_counter() - tic, len(meshes))
+    lowered = sum(len(profiles[k].traces) for k in set(profiles) - known)
+    return SearchResult(gpus, plans[:top] if top else plans, too_big, refused, len(candidates) - planned - skipped,
+                        time.perf_counter() - tic, len(used), planned, lowered, sum(v.traces for v in saved.values()),
+                        len(over_budget), min((c[0] for c in over_budget), default=None), budget_s)

@@ -1,0 +1,134 @@
+"""Published training runs, and the run model's plan of each: the accuracy table of docs/plan.md.
+
+Each row carries what its source states (model, devices, layout, batch, remat, measured
+tokens/s per device, MFU and memory where given), what it leaves unstated and is assumed here
+(``assumed``), and which of the run model's constants it was used to fit (``fitted``).
+
+    for row in PUBLISHED_RUNS:
+        print(row.name, planned(row)["tokens_per_s_per_device"] / row.tokens_per_s)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shardfn.plan.layout import Layout
+from shardfn.plan.runmodel import RunSpec, run_estimate
+
+GIB = 1 << 30
+
+TORCHTITAN_PERF = "pytorch/torchtitan docs/performance.md"
+TORCHTITAN_PERF_2024 = "pytorch/torchtitan docs/performance.md (2024 edition, 64 A100)"
+
+LLAMA2_13B = ["model.vocab_size=32000", "model.dim=5120", "model.n_layers=40", "model.n_heads=40",
+              "model.n_kv_heads=40", "model.ffn_dim=13824", "model.rope_theta=10000.0"]
+LLAMA2_70B = ["model.vocab_size=32000", "model.dim=8192", "model.n_layers=80", "model.n_heads=64",
+              "model.n_kv_heads=8", "model.ffn_dim=28672", "model.rope_theta=10000.0"]
+LLAMA3_70B = ["model.dim=8192", "model.n_layers=80", "model.n_heads=64", "model.n_kv_heads=8",
+              "model.ffn_dim=28672"]
+LLAMA3_405B = ["model.dim=16384", "model.n_layers=126", "model.n_heads=128", "model.n_kv_heads=8",
+               "model.ffn_dim=53248"]
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published run: its source's numbers and the layout that reproduces it.
+
+    Example:
+        PublishedRun("Llama 3.1 8B", "llama3_1_8b", [], Layout(fsdp=8), 2, 8192, "selective_op",
+                     "h100_96gb", 6667, source=TORCHTITAN_PERF)
+    """
+
+    name: str
+    config: str
+    model_overrides: list
+    layout: Layout
+    rows: int             # sequences per microbatch per data rank
+    seq_len: int
+    remat: str
+    hardware: str
+    tokens_per_s: float   # measured, per device
+    mfu: float | None = None        # as the source computes it
+    memory_gib: float | None = None  # as the source reports it (TorchTitan: max reserved)
+    source: str = ""
+    fitted: str = ""      # the constant this run fitted ("" : a check, not a fit)
+    assumed: str = ""     # what the source does not say and this row assumes
+    reference: bool = field(default=True)
+
+    def load(self):
+        """The run config of this row (the config file with the model, mesh, batch and remat set)."""
+        from shardfn.config import load_config
+
+        lay = self.layout
+        overrides = [*self.model_overrides, f"mesh.pp={lay.pp}", f"mesh.dp={lay.dp}", f"mesh.fsdp={lay.fsdp}",
+                     f"mesh.ep={lay.ep}", f"mesh.tp={lay.tp}", f"pipeline.microbatches={lay.microbatches}",
+                     f"pipeline.schedule={lay.schedule}", f"train.seq_len={self.seq_len}",
+                     f"train.batch_size={self.rows * lay.data_size * lay.microbatches}"]
+        return load_config(self.config, overrides)
+
+
+PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun("TorchTitan Llama 3.1 8B, 8 H100, FSDP 8, compiled", "llama3_1_8b", [], Layout(fsdp=8), 2, 8192,
+                 "selective_op", "h100_96gb", 6667, None, 77.0, f"{TORCHTITAN_PERF}, Table 1",
+                 fitted="h100_96gb clock (0.63)"),
+    PublishedRun("TorchTitan Llama 3.1 8B, 128 H100, FSDP 128, compiled", "llama3_1_8b", [], Layout(fsdp=128), 2,
+                 8192, "selective_op", "h100_96gb", 6514, None, 62.0, f"{TORCHTITAN_PERF}, Table 3"),
+    PublishedRun("TorchTitan Llama 3.1 405B, 128 H100, FSDP 16 x TP 8", "llama3_1_8b", LLAMA3_405B,
+                 Layout(fsdp=16, tp=8), 2, 8192, "full", "h100_96gb", 109, 0.290, None,
+                 f"{TORCHTITAN_PERF} (2024 edition, Llama 3.1 section; 94 GB H100)",
+                 assumed="seq 8192 and the 500 W Grand Teton H100 of the later tables"),
+    PublishedRun("TorchTitan Llama 3 8B, 64 A100, FSDP 64", "llama3_8b", [], Layout(fsdp=64), 1, 8192,
+                 "selective_op", "a100", 2973, 0.582, None, TORCHTITAN_PERF_2024,
+                 assumed="200 Gb/s HDR per GPU between nodes"),
+    PublishedRun("TorchTitan Llama 3 70B, 64 A100, FSDP 64", "llama3_8b", LLAMA3_70B, Layout(fsdp=64), 1, 8192,
+                 "full", "a100", 331, 0.517, None, TORCHTITAN_PERF_2024,
+                 assumed="200 Gb/s HDR per GPU between nodes"),
+    PublishedRun("TorchTitan Llama 2 13B, 64 A100, FSDP 64, no AC", "llama3_8b", LLAMA2_13B, Layout(fsdp=64), 2, 4096,
+                 "none", "a100", 2162, 0.611, None, TORCHTITAN_PERF_2024,
+                 assumed="200 Gb/s HDR per GPU between nodes"),
+    PublishedRun("TorchTitan Llama 2 13B, 64 A100, FSDP 64, selective op AC", "llama3_8b", LLAMA2_13B,
+                 Layout(fsdp=64), 2, 4096, "selective_op", "a100", 1904, 0.538, None, TORCHTITAN_PERF_2024,
+                 assumed="200 Gb/s HDR per GPU between nodes"),
+    PublishedRun("TorchTitan Llama 2 70B, 64 A100, FSDP 64, full AC", "llama3_8b", LLAMA2_70B, Layout(fsdp=64), 2,
+                 4096, "full", "a100", 353, 0.505, None, TORCHTITAN_PERF_2024,
+                 assumed="200 Gb/s HDR per GPU between nodes"),
+    PublishedRun("TorchTitan DeepSeek-V3 671B, 512 H100, FSDP 64 / EP 32 / PP 8", "deepseek_v3_671b", [],
+                 Layout(pp=8, fsdp=2, ep=32, microbatches=8, schedule="interleaved_1f1b"), 1, 4096, "full", "h100",
+                 346, 0.0983, None, "TorchTitan's DeepSeek-V3 results (standard all-to-all; as quoted in issue 23)",
+                 fitted="expert load imbalance (1.28)",
+                 assumed="8 microbatches of one sequence per data rank, full AC, datasheet H100; shardfn's layout "
+                         "shards dense weights over fsdp=2 where TorchTitan's FSDP spans 64 ranks"),
+)
+"""The runs docs/plan.md's table checks; two of them fitted the run model's two free constants."""
+
+
+def planned(row: PublishedRun) -> dict:
+    """The run model's estimate of ``row``'s layout (``plan.runmodel.run_estimate``).
+
+        planned(PUBLISHED_RUNS[0])["tokens_per_s_per_device"]    # ~6,700
+    """
+    return run_estimate(row.load(), row.layout, hardware=row.hardware,
+                        spec=RunSpec(remat=row.remat, rows=row.rows))
+
+
+def table_rows() -> list[dict]:
+    """Every published run with its plan and the ratios planned / measured."""
+    out = []
+    for row in PUBLISHED_RUNS:
+        est = planned(row)
+        tps = est["tokens_per_s_per_device"]
+        mem = est["memory"]["reserved_bytes"] / GIB
+        out.append({"name": row.name, "tokens_per_s": row.tokens_per_s, "planned_tokens_per_s": tps,
+                    "tokens_ratio": tps / row.tokens_per_s, "mfu": row.mfu, "planned_mfu": est["mfu"],
+                    "memory_gib": row.memory_gib, "planned_memory_gib": mem,
+                    "memory_ratio": mem / row.memory_gib if row.memory_gib else None,
+                    "fitted": row.fitted, "assumed": row.assumed, "source": row.source})
+    return out
+
+
+if __name__ == "__main__":
+    for r in table_rows():
+        mem = f"{r['planned_memory_gib']:.1f}/{r['memory_gib']} ({r['memory_ratio']:.2f})" if r["memory_gib"] else "-"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+        print(f"{r['name']:<62} {r['planned_tokens_per_s']:>8,.0f} / {r['tokens_per_s']:>6,} "
+              f"({r['tokens_ratio']:.2f})  mfu {r['planned_mfu']:.1%} / {mfu}  mem {mem}")
