@@ -43,6 +43,8 @@ def repeated(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def layer(*args, **kwargs):
+        if torch.compiler.is_compiling():  # inside a compiled step: the plain function, no lookup to trace
+            return fn(*args, **kwargs)
         options = _OPTIONS.get()
         if options is None or not eager():
             return fn(*args, **kwargs)

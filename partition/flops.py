@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
@@ -44,19 +45,32 @@ _EXTRA = {
 }
 
 
+def expert_flops(x, idx, w1, shared_w1=None) -> float:
+    """Forward FLOPs of the routed experts (three GEMMs over ``T * top_k`` rows of ``x [T, D]``
+    routed by ``idx [T, top_k]``, experts ``w1 [E, D, F]``) and, with ``shared_w1 [D, Hs]``, the
+    shared experts' three matmuls over ``T`` rows. Shapes or tensors.
+
+    Example:
+        expert_flops((64, 32), (64, 2), (8, 32, 16))  # 3 * 2 * 128 * 32 * 16
+    """
+    x, idx, w1 = _shape(x), _shape(idx), _shape(w1)
+    n = 1
+    for d in idx:
+        n *= d
+    shared = 3 * 2.0 * x[0] * x[1] * _shape(shared_w1)[1] if shared_w1 is not None else 0.0
+    return 3 * 2.0 * n * x[1] * w1[2] + shared
+
+
 def _expert_flops(name: str, args: tuple) -> float | None:
     """``2*T*K*N`` for ``shardfn::grouped_mm``; for ``shardfn::ep_experts`` (the expert-parallel
     exchange, whose experts run inside it) its three grouped GEMMs over ``T * top_k`` rows, as
-    if this rank's experts received an even share of the tokens. None for other ops."""
+    if this rank's experts received an even share of the tokens, plus the shared experts' three
+    matmuls over ``T`` rows when it runs them too. None for other ops."""
     if name == "shardfn::grouped_mm":
         x, w = _shape(args[0]), _shape(args[1])
         return 2.0 * x[0] * x[1] * (w[2] if len(w) == 3 else w[1])
     if name == "shardfn::ep_experts":
-        x, idx, w1 = _shape(args[0]), _shape(args[1]), _shape(args[3])
-        n = 1
-        for d in idx:
-            n *= d
-        return 3 * 2.0 * n * x[1] * w1[2]
+        return expert_flops(args[0], args[1], args[3], args[6] if len(args) > 6 else None)
     return None
 
 
@@ -83,8 +97,9 @@ def op_flops(op: Any, args: tuple, kwargs: dict, out_val: Any) -> float:
 
 
 def node_flops(node: fx.Node) -> float:
-    """Forward cost of one graph node for balancing pipeline stages: :func:`op_flops`, or one per
-    output element for any other op that moves bytes (views and ``getitem`` cost nothing).
+    """Forward cost of one graph node for balancing pipeline stages: :func:`op_flops` (an
+    ``sf.local_map`` region: its own ``flops``), or one per output element for any other op that
+    moves bytes (views and ``getitem`` cost nothing).
 
     Example:
         node_flops(mm_node)  # 2 * 16 * 64 * 32 for x [16, 32] @ w [32, 64]
@@ -93,6 +108,13 @@ def node_flops(node: fx.Node) -> float:
         return 0.0
     val = node_val(node)
     args, kwargs = fx.node.map_arg((node.args, dict(node.kwargs)), node_val)
+    if node.target is torch.ops.shardfn.local_region.default:  # an sf.local_map region: its own count
+        from shardfn.partition.local_map import region
+
+        reg = region(args[1])
+        if reg.flops is not None:
+            return float(reg.flops(*optree.tree_unflatten(reg.in_treedef, list(args[0]))))
+        return float(sum(v.numel() for v in val if isinstance(v, torch.Tensor)))
     flops = op_flops(node.target, args, kwargs, val)
     if flops:
         return flops

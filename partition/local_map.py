@@ -48,6 +48,7 @@ class Region:
     in_leaf_specs: list | None = None
     out_leaf_specs: list | None = None
     out_meta: list | None = None   # local output metadata, set when first traced
+    flops: Callable | None = None  # flops(*args) at global shapes (partition.flops.node_flops)
 
     def call_flat(self, flat_inputs: list) -> list:
         args = optree.tree_unflatten(self.in_treedef, list(flat_inputs))
@@ -225,7 +226,7 @@ def _out_shape(rid: int, i: int, xs) -> list[int]:
 
 
 def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | None = None,
-              records: Records | None = None) -> Callable:
+              records: Records | None = None, flops: Callable | None = None) -> Callable:
     """A per-rank region: ``fn`` runs on local shards laid out by ``in_specs`` and its outputs
     are taken as shards under ``out_specs``.
 
@@ -240,12 +241,15 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | No
         records: when ``fn`` (or ``bwd``) runs collectives itself, what it moved (a
             :class:`Records`): ``LoweredStep.comm_report`` lists its rows, and each call of the
             program starts them afresh.
+        flops: ``flops(*args) -> float``, the forward FLOPs of one call at the arguments'
+            global shapes, by which pipeline stages are balanced; without it the region counts
+            as one per output element (its work is hidden in one node).
 
     Example:
         f = local_map(lambda x: x * 2, in_specs=(P("dp"),), out_specs=P("dp"))
         y = f(x)
     """
-    reg = Region(fn, in_specs, out_specs, bwd, records)
+    reg = Region(fn, in_specs, out_specs, bwd, records, flops=flops)
 
     def wrapped(*args):
         if not tracing():

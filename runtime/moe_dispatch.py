@@ -296,10 +296,16 @@ class ExpertRegion:
 
         in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if shared else ())
         self._region = local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward,
-                                 records=self.exchange)
+                                 records=self.exchange, flops=_region_flops)
 
     def __call__(self, *args):
         return self._region(*args)[0]
+
+
+def _region_flops(x, idx, weights, w1, w2, w3, *shared) -> float:
+    from shardfn.partition.flops import expert_flops
+
+    return expert_flops(x, idx, w1, shared[0] if shared else None)
 
 
 def data_parallel_region(data_axes: tuple[str, ...], routed_fn):
@@ -309,4 +315,5 @@ def data_parallel_region(data_axes: tuple[str, ...], routed_fn):
     from shardfn.partition.spec import P
 
     tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
-    return local_map(routed_fn, in_specs=(tokens, tokens, tokens, P(), P(), P()), out_specs=tokens)
+    return local_map(routed_fn, in_specs=(tokens, tokens, tokens, P(), P(), P()), out_specs=tokens,
+                     flops=_region_flops)

@@ -22,7 +22,7 @@ from shardfn.config import load_config
 CONFIG_CASES = [
     ("rules.batch=[dp, dp]", r"rules\.batch names a mesh axis twice: \['dp', 'dp'\]"),
     ("rules.heads=3", r"rules\.heads must be a mesh axis name, a list of names, or null; got 3"),
-    ("rules.layers=[pp, xp]", r"rules\.layers: unknown mesh axis 'xp'; valid mesh axes: pp, dp, fsdp, ep, tp"),
+    ("rules.layers=[pp, xp]", r"rules\.layers: unknown mesh axis 'xp'; valid mesh axes: pp, dp, fsdp, cp, ep, tp"),
     ("train.nonfinite=ignore", r"train\.nonfinite must be one of raise, skip, got 'ignore'"),
     ("train.grad_clip=0", r"train\.grad_clip must be > 0 or null, got 0\.0"),
     ("train.lr=-1", r"train\.lr must be >= 0, got -1\.0"),
@@ -246,7 +246,7 @@ CLI_CASES = {
     "schedule-file-missing": (["schedule", "--file", "no/such/schedule.yaml"], r"no/such/schedule\.yaml"),
     "plan-unknown-hardware": (
         ["plan", "--hardware", "tpu9"],
-        r"unknown hardware 'tpu9'; valid names are \['b200', .*or pass the path of a YAML file",
+        r"unknown hardware 'tpu9'; valid names are \['a100', 'b200', .*or pass the path of a YAML file",
     ),
     "plan-search-without-gpus": (["plan", "--search"], r"--search needs --gpus N"),
     "plan-search-bad-schedule": (

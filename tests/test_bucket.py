@@ -26,20 +26,22 @@ def _rows(layout, bucket_bytes):
 
 # bytes: each weight's gradient is 4096 B fp32 (3 weights); the loss and nll's total weight 4 B each.
 EXPECTED = {
-    # the three gradient all-reduces become one; the two scalars are read before the
+    # the three gradient all-reduces become one ("tensors": what the buckets carry); the two scalars are read before the
     # gradients exist (the total weight) or reduced with another op (the loss's mean)
     ("dp2", None): [{"op": "all_reduce", "axis": "dp", "bytes": 3 * 4096 + 8, "count": 5}],
-    ("dp2", DEFAULT_BUCKET_BYTES): [{"op": "all_reduce", "axis": "dp", "bytes": 3 * 4096 + 8, "count": 3}],
-    ("dp2", 8192): [{"op": "all_reduce", "axis": "dp", "bytes": 3 * 4096 + 8, "count": 4}],
+    ("dp2", DEFAULT_BUCKET_BYTES): [{"op": "all_reduce", "axis": "dp", "bytes": 3 * 4096 + 8, "count": 3,
+                                     "tensors": 5}],
+    ("dp2", 8192): [{"op": "all_reduce", "axis": "dp", "bytes": 3 * 4096 + 8, "count": 4, "tensors": 5}],
     ("fsdp2", None): [{"op": "all_gather", "axis": "fsdp", "bytes": 4 * 4096, "count": 4},
                       {"op": "all_reduce", "axis": "fsdp", "bytes": 8, "count": 2},
                       {"op": "reduce_scatter", "axis": "fsdp", "bytes": 3 * 4096, "count": 3}],
     ("fsdp2", DEFAULT_BUCKET_BYTES): [{"op": "all_gather", "axis": "fsdp", "bytes": 4 * 4096, "count": 4},
                                       {"op": "all_reduce", "axis": "fsdp", "bytes": 8, "count": 2},
-                                      {"op": "reduce_scatter", "axis": "fsdp", "bytes": 3 * 4096, "count": 1}],
+                                      {"op": "reduce_scatter", "axis": "fsdp", "bytes": 3 * 4096, "count": 1,
+                                       "tensors": 3}],
     ("fsdp2", 8192): [{"op": "all_gather", "axis": "fsdp", "bytes": 4 * 4096, "count": 4},
                       {"op": "all_reduce", "axis": "fsdp", "bytes": 8, "count": 2},
-                      {"op": "reduce_scatter", "axis": "fsdp", "bytes": 3 * 4096, "count": 2}],
+                      {"op": "reduce_scatter", "axis": "fsdp", "bytes": 3 * 4096, "count": 2, "tensors": 3}],
 }
 
 

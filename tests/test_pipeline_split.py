@@ -266,6 +266,15 @@ def test_node_flops_of_a_matmul():
     assert flops.node_flops(mms[0]) == 2 * (2 * S) * D * H       # [8, 8] @ [8, 16]
 
 
+@pytest.mark.parametrize("count", [None, lambda x, w: 7.0 * x.shape[0]])
+def test_node_flops_of_a_local_map_region_is_its_own_count(count):
+    # a region is one node whose work is hidden (an MoE exchange): stages are balanced by what it says
+    region = sf.local_map(lambda x, w: x @ w, in_specs=(sf.P(), sf.P()), out_specs=sf.P(), flops=count)
+    traced = pl.trace_loss(lambda p, b: region(p["embed"][b["inputs"]], p["head"]).sum(), tiny_params(1), tiny_batch())
+    node = next(n for n in traced.graph_module.graph.nodes if n.target is torch.ops.shardfn.local_region.default)
+    assert flops.node_flops(node) == (7.0 * 2 if count else 2 * S * V)    # x: [2, S, D]; output [2, S, V]
+
+
 def test_llama_tiny_split_matches_the_model():
     llama = pytest.importorskip("shardfn.models.llama")
     cfg = llama.Config(n_layers=2)

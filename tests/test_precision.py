@@ -160,4 +160,7 @@ def test_the_plan_is_the_run_for_every_precision_and_remat(ranks, config, precis
         key = lambda r: (r["op"], r["axis"])  # noqa: E731
         planned = sorted(({k: r[k] for k in ("op", "axis", "bytes", "count")} for r in plan.comm
                           if r["source"] == "trace"), key=key)
-        assert planned == sorted(rank["comm"], key=key)
+        # counted per tensor: buckets merge gradient reductions at run time, bytes unchanged
+        static = [{**{k: r[k] for k in ("op", "axis", "bytes")}, "count": r.get("tensors", r["count"])}
+                  for r in rank["comm"]]
+        assert planned == sorted(static, key=key)
