@@ -130,7 +130,7 @@ def test_cp2_exchange_bytes_per_layer_are_the_all_gather_textbook():
     assert set(rows_by_op) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
-def test_cp2_activation_bytes_per_rank_are_half():
+def test_cp2_activation_bytes_per_rank_are_half(clean_process_group):
     """memory_report's peak activation bytes per rank of the train step, cp2 against one rank
     holding the whole sequence (both lowered on fake meshes), at a sequence long enough that
     activations, not parameter-sized temporaries, make the peak: exactly half, to 1e-6."""
