@@ -15,8 +15,18 @@ and the parameters after the warm-up steps, then times the variants round-robin 
 load hits them alike) and reports the median time per step and the ratios functional /
 reference. Target: functional compiled <= 1.0x reference compiled.
 
+``--eager-pairs`` instead compares the two eager steps (what ``shardfn train`` runs on one
+device, and what a user of an ``nn.Module`` with ``torch.optim.AdamW`` runs) at two sizes, on one
+thread: ``S`` (llama_tiny: dim 64, 2 layers, batch 16 x 128) and ``M`` (dim 256, 4 layers, batch
+8 x 256). Each timed pair steps both once on the same batch, in alternating order (functional
+first, then reference first), and the result is the median over pairs of the per-pair ratio
+functional / reference, so load that comes and goes hits both sides of a pair alike (the ratio of
+the process CPU times is reported beside it). Target: <= 1.0 at both sizes.
+
     python benchmarks/bench_core.py                       # llama_tiny, writes benchmarks/results/bench_core.json
     python benchmarks/bench_core.py --out /tmp/b.json train.batch_size=32
+    python benchmarks/bench_core.py --eager-pairs         # S and M, writes benchmarks/results/bench_core_eager.json
+    python benchmarks/bench_core.py --first-step          # first compiled step cold/warm, 2 -> 8 -> 32 layers
 """
 
 from __future__ import annotations
@@ -26,6 +36,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,10 +50,17 @@ from shardfn import models
 from shardfn.config import load_config
 from shardfn.core import optim
 from shardfn.core.pytree import tree_leaves
+from shardfn.core.regional import with_compiled_layers
 from shardfn.runtime import data
 from shardfn.runtime.train_step import make_optimizer, make_train_step
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_core.json"
+EAGER_OUT = Path(__file__).resolve().parent / "results" / "bench_core_eager.json"
+SIZES = {
+    "S": [],  # llama_tiny as its config has it
+    "M": ["model.dim=256", "model.n_layers=4", "train.seq_len=256", "train.batch_size=8"],
+}
+"""``--eager-pairs`` sizes: overrides of the llama_tiny config."""
 
 
 # ----------------------------------------------------------------------------- reference model
@@ -155,7 +175,9 @@ class Functional:
     def __init__(self, cfg, model, params, compiled):
         opt = make_optimizer(cfg.train, model)
         self.step_fn = make_train_step(model, cfg.model, opt)
-        if compiled:
+        if compiled == "regional":  # what train.compile=true runs: one layer compiled, reused by all
+            self.step_fn = with_compiled_layers(self.step_fn)
+        elif compiled:
             self.step_fn = torch.compile(self.step_fn)
         self.params, self.state = params, opt.init(params)
 
@@ -219,6 +241,182 @@ class Reference:
         return out + [m.norm.weight.detach(), m.output.weight.detach().t()]
 
 
+# ----------------------------------------------------------------------------- eager pairs
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def eager_pairs(sizes: dict[str, list[str]], *, config: str, warmup: int, pairs: int, overrides: list[str]) -> dict:
+    """Per size: the eager functional step and the eager ``nn.Module`` step from the same weights,
+    checked to agree after ``warmup`` steps, then ``pairs`` alternated pairs on one thread."""
+    torch.set_num_threads(1)
+    out = {}
+    for size, size_overrides in sizes.items():
+        cfg = load_config(config, [*size_overrides, *overrides])
+        t = cfg.train
+        model = models.get("llama")
+        params = model.init(cfg.model, t.seed, device=torch.device(cfg.runtime.device))
+        tokens = data.from_config(cfg.data)
+        batches = [data.get_batch(tokens, s, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed,
+                                  device=torch.device(cfg.runtime.device)) for s in range(warmup + pairs)]
+        sides = {"functional": Functional(cfg, model, params, compiled=False),
+                 "reference": Reference(cfg, params, compiled=False)}
+        losses = {n: [float(v.step(batches[i])) for i in range(warmup)] for n, v in sides.items()}
+        dp = max(float((a - b).abs().max())
+                 for a, b in zip(sides["functional"].flat_params(), sides["reference"].flat_params()))
+        dl = max(abs(a - b) for a, b in zip(losses["functional"], losses["reference"]))
+        times, cpu_times = {n: [] for n in sides}, {n: [] for n in sides}
+        ratios, cpu_ratios = [], []
+        for k in range(pairs):
+            batch = batches[warmup + k]
+            order = ("functional", "reference") if k % 2 == 0 else ("reference", "functional")
+            for name in order:
+                tic, cpu = time.perf_counter(), time.process_time()
+                float(sides[name].step(batch))  # sync: the step is done
+                times[name].append(time.perf_counter() - tic)
+                cpu_times[name].append(time.process_time() - cpu)
+            ratios.append(times["functional"][-1] / times["reference"][-1])
+            cpu_ratios.append(cpu_times["functional"][-1] / max(cpu_times["reference"][-1], 1e-9))
+        n_params = sum(x.numel() for x in tree_leaves(params))
+        out[size] = {
+            "model": {k: getattr(cfg.model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                                                            "vocab_size")},
+            "batch_size": t.batch_size, "seq_len": t.seq_len, "params": n_params,
+            "functional_ms": 1e3 * statistics.median(times["functional"]),
+            "reference_ms": 1e3 * statistics.median(times["reference"]),
+            "ratio_median": statistics.median(ratios),
+            "ratio_q25": _quantile(ratios, 0.25), "ratio_q75": _quantile(ratios, 0.75),
+            # CPU time of the process: what each step computed, without the time it waited for a core
+            "cpu_ratio_median": statistics.median(cpu_ratios),
+            "functional_cpu_ms": 1e3 * statistics.median(cpu_times["functional"]),
+            "reference_cpu_ms": 1e3 * statistics.median(cpu_times["reference"]),
+            "pairs": pairs,
+            "parity": {"max_abs_param_diff": dp, "max_abs_loss_diff": dl, "after_steps": warmup},
+        }
+        r = out[size]
+        print(f"{size}: dim {cfg.model.dim}, {cfg.model.n_layers} layers, batch {t.batch_size}x{t.seq_len}, "
+              f"{n_params:,} params: functional {r['functional_ms']:.1f} ms, reference {r['reference_ms']:.1f} ms, "
+              f"ratio {r['ratio_median']:.3f} (quartiles {r['ratio_q25']:.3f}..{r['ratio_q75']:.3f}, {pairs} pairs; "
+              f"CPU time {r['cpu_ratio_median']:.3f}); "
+              f"parity after {warmup} steps: params {dp:.1e}, loss {dl:.1e}", flush=True)
+    return out
+
+
+def main_eager_pairs(args) -> dict:
+    sizes = {k: SIZES[k] for k in args.sizes.split(",")}
+    results = eager_pairs(sizes, config=args.config, warmup=args.warmup, pairs=args.pairs, overrides=args.overrides)
+    out = {
+        "benchmark": "bench_core --eager-pairs",
+        "what": "eager one-device step: shardfn make_train_step vs nn.Module + clip_grad_norm_ + "
+                "torch.optim.AdamW (foreach), same weights and batches",
+        "method": "alternated pairs (order flips every pair), one thread; ratio = median of per-pair ratios",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0],
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},  # glibc tuning, if any
+        "sizes": results,
+        "ratios_functional_over_reference": {k: v["ratio_median"] for k, v in results.items()},
+        "target": "ratio <= 1.0 at every size",
+        "target_met": all(v["ratio_median"] <= 1.0 for v in results.values()),
+    }
+    print("functional / reference (eager): "
+          + ", ".join(f"{k} {v:.3f}x" for k, v in out["ratios_functional_over_reference"].items()))
+    path = Path(args.out or EAGER_OUT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
+# ----------------------------------------------------------------------------- first steps
+
+FIRST_OUT = Path(__file__).resolve().parent / "results" / "bench_core_first_step.json"
+FIRST_VARIANTS = ("reference/compiled", "functional/compiled", "functional/regional")
+
+
+def first_step_worker(variant: str, overrides: list[str]) -> dict:
+    """One process: build ``variant``, time its first step (compilation included) and the median
+    of 5 later ones. Run with ``TORCHINDUCTOR_CACHE_DIR`` set by the caller (cold or warm)."""
+    torch.set_num_threads(1)
+    cfg = load_config("llama_tiny", overrides)
+    t = cfg.train
+    model = models.get("llama")
+    params = model.init(cfg.model, t.seed)
+    tokens = data.from_config(cfg.data)
+    batches = [data.get_batch(tokens, s, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed) for s in range(6)]
+    factory = {"reference/compiled": lambda: Reference(cfg, params, compiled=True),
+               "functional/compiled": lambda: Functional(cfg, model, params, compiled=True),
+               "functional/regional": lambda: Functional(cfg, model, params, compiled="regional")}[variant]
+    tic = time.perf_counter()
+    runner = factory()
+    float(runner.step(batches[0]))
+    first = time.perf_counter() - tic
+    later = []
+    for b in batches[1:]:
+        tic = time.perf_counter()
+        float(runner.step(b))
+        later.append(time.perf_counter() - tic)
+    return {"first_s": first, "steady_ms": 1e3 * statistics.median(later)}
+
+
+def first_steps(series: list[int], whole_up_to: int) -> dict:
+    """Each variant's first step, cold (an empty inductor cache) then warm (the same cache
+    again), in its own process, for llama_tiny with ``n_layers`` in ``series``; the whole-step
+    compile only up to ``whole_up_to`` layers (it unrolls every layer into one graph)."""
+    out: dict = {}
+    for n in series:
+        for variant in FIRST_VARIANTS:
+            if variant == "functional/compiled" and n > whole_up_to:
+                continue
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+                row = {}
+                for start in ("cold", "warm"):
+                    done = subprocess.run([sys.executable, __file__, "--first-step-worker", variant,
+                                           f"model.n_layers={n}"], env=env, capture_output=True, text=True,
+                                          check=True)
+                    row[start] = json.loads(done.stdout.strip().splitlines()[-1])
+                out.setdefault(variant, {})[n] = row
+                print(f"{variant:<22} {n:>2} layers: first step cold {row['cold']['first_s']:6.1f} s, "
+                      f"warm {row['warm']['first_s']:5.1f} s; steady {row['warm']['steady_ms']:.1f} ms", flush=True)
+    return out
+
+
+def main_first_steps(args) -> dict:
+    series = [int(n) for n in args.layers.split(",")]
+    results = first_steps(series, args.whole_up_to)
+    regional, reference = results["functional/regional"], results["reference/compiled"]
+    lo, hi = min(series), max(series)
+    out = {
+        "benchmark": "bench_core --first-step",
+        "what": "llama_tiny's first training step (compilation included) and its steady step, one thread: "
+                "nn.Module under torch.compile with a compiled optimizer step; shardfn's whole step compiled "
+                "(train.compile=whole); shardfn's repeated layer compiled once (train.compile=true)",
+        "method": "each in a fresh process; cold = empty TORCHINDUCTOR_CACHE_DIR, warm = the same directory again",
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "load_average_1min": os.getloadavg()[0],
+        "first_step": results,
+        "regional_over_reference_cold": {n: regional[n]["cold"]["first_s"] / reference[n]["cold"]["first_s"]
+                                         for n in series},
+        "regional_depth_ratio_cold": regional[hi]["cold"]["first_s"] / regional[lo]["cold"]["first_s"],
+        "target": "regional cold first step <= reference's; depth ratio (first -> last of the series) <= 2.5",
+    }
+    print("regional / reference, cold first step: "
+          + ", ".join(f"{n} layers {r:.2f}x" for n, r in out["regional_over_reference_cold"].items())
+          + f"; regional {lo} -> {hi} layers: {out['regional_depth_ratio_cold']:.2f}x")
+    path = Path(args.out or FIRST_OUT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    return out
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -229,9 +427,31 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=6, help="round-robin rounds over the variants")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     parser.add_argument("--variants", default="functional/eager,functional/compiled,reference/eager,reference/compiled")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON results (default: {DEFAULT_OUT})")
+    parser.add_argument("--out", default=None, help=f"JSON results (default: {DEFAULT_OUT}, or {EAGER_OUT} "
+                                                    "with --eager-pairs)")
+    parser.add_argument("--eager-pairs", action="store_true",
+                        help="compare the eager steps at the sizes of --sizes in alternated pairs")
+    parser.add_argument("--sizes", default="S,M", help=f"with --eager-pairs: of {', '.join(SIZES)} (default: S,M)")
+    parser.add_argument("--pairs", type=int, default=30, help="with --eager-pairs: timed pairs per size")
+    parser.add_argument("--first-step", action="store_true",
+                        help="first compiled step, cold and warm, of each compiled variant over --layers")
+    parser.add_argument("--layers", default="2,8,32", help="with --first-step: n_layers series (default 2,8,32)")
+    parser.add_argument("--whole-up-to", type=int, default=8,
+                        help="with --first-step: the largest n_layers to compile as one whole step (default 8)")
+    parser.add_argument("--first-step-worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = parser.parse_args(argv)
+    if args.first_step_worker:
+        print(json.dumps(first_step_worker(args.first_step_worker, args.overrides)))
+        return {}
+    if args.first_step:
+        return main_first_steps(args)
+    if args.eager_pairs:
+        unknown = [k for k in args.sizes.split(",") if k not in SIZES]
+        if unknown:
+            parser.error(f"unknown size {unknown[0]!r}; valid: {', '.join(SIZES)}")
+        return main_eager_pairs(args)
+    args.out = args.out or str(DEFAULT_OUT)
 
     cfg = load_config(args.config, args.overrides)
     if cfg.model_name != "llama":
@@ -251,6 +471,7 @@ def main(argv=None) -> dict:
     factories = {
         "functional/eager": lambda: Functional(cfg, model, params, compiled=False),
         "functional/compiled": lambda: Functional(cfg, model, params, compiled=True),
+        "functional/regional": lambda: Functional(cfg, model, params, compiled="regional"),
         "reference/eager": lambda: Reference(cfg, params, compiled=False),
         "reference/compiled": lambda: Reference(cfg, params, compiled=True),
     }
