@@ -29,10 +29,14 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import shared_experts_outside_exchange  # noqa: E402  (tests/fixtures.py)
 
 MODEL = ["model.dim=256", "model.n_layers=4", "train.batch_size=8", "train.seq_len=128"]
 LAYOUTS = {"fsdp2": ["mesh.fsdp=2"], "ep2": ["mesh.ep=2"],
@@ -128,7 +132,7 @@ def _step_program(cfg_overrides, old_moe_order: bool):
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, 0)
     opt = make_optimizer(cfg.train, model)
-    undo = _old_moe_order() if old_moe_order else (lambda: None)
+    undo = shared_experts_outside_exchange() if old_moe_order else (lambda: None)
     try:
         mesh = mesh_from_config(cfg)
         step = mesh_step(cfg, model, opt, params, mesh, backend=None)
@@ -142,24 +146,6 @@ def _step_program(cfg_overrides, old_moe_order: bool):
     local = [_to_local(x, mesh, pl, path) for x, pl, path in
              zip(leaves, lowered.lowered.in_placements, lowered.traced.in_paths)]
     return lowered.graph_module, local, lowered.records
-
-
-def _old_moe_order():
-    """The MoE layer's order before the shared experts moved into the exchange: the undo."""
-    from shardfn.models import moe
-    from shardfn.runtime import moe_dispatch
-
-    init, handover = moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch
-
-    def no_shared(self, *args, shared=False, **kwargs):
-        init(self, *args, shared=False, **kwargs)
-
-    moe_dispatch.ExpertRegion.__init__ = no_shared
-    moe.shared_behind_dispatch = lambda p, experts=None: (p, experts)
-
-    def undo():
-        moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch = init, handover
-    return undo
 
 
 def _timed(gm, local, records, exchange=None, mode="replay") -> float:

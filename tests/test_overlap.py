@@ -8,15 +8,12 @@ they run. Results: bitwise (fp32) those of the unscheduled program on 2 gloo ran
 
 import pytest
 import torch
-from parity import BASE
+from fixtures import shared_experts_outside_exchange
+from test_remat import run_config
 
-from shardfn import models
 from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
 from shardfn.partition import overlap as ov
-from shardfn.runtime import data
-from shardfn.runtime.build import build_step
-from shardfn.runtime.param_source import abstract
 
 FSDP = ["train.batch_size=8", "train.seq_len=32", "mesh.fsdp=2", "model.n_layers=4"]
 
@@ -138,39 +135,6 @@ def test_moe_layer_hands_its_shared_experts_to_the_exchange(clean_process_group)
 # ----------------------------------------------------------------------------- 2 gloo ranks
 
 
-def _run(config, overrides, steps=3):
-    cfg = load_config(config, [*BASE, *overrides])
-    model = models.get(cfg.model_name)
-    step = build_step(cfg, model, abstract(model.init(cfg.model, 0, device="meta"), "cpu"))
-    params, state = step.place(model.init(cfg.model, cfg.train.seed))
-    tokens = data.from_config(cfg.data)
-    losses = []
-    for s in range(steps):
-        batch = data.get_batch(tokens, s, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len, seed=0)
-        params, state, m = step(params, state, batch)
-        losses.append(m["loss"])
-    return step.full_params(params), torch.stack(losses)
-
-
-def _shared_outside():
-    """Patches that restore the layer's old order: the shared experts after the routed ones,
-    outside the exchange. Returns the undo."""
-    from shardfn.models import moe
-    from shardfn.runtime import moe_dispatch
-
-    init, handover = moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch
-
-    def no_shared(self, *args, shared=False, **kwargs):
-        init(self, *args, shared=False, **kwargs)
-
-    moe_dispatch.ExpertRegion.__init__ = no_shared
-    moe.shared_behind_dispatch = lambda p, experts=None: (p, experts)
-
-    def undo():
-        moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch = init, handover
-    return undo
-
-
 def _order_of_exchange_and_shared():
     """Records the order of the exchange's all-to-alls and the shared experts' SwiGLU."""
     from shardfn.runtime import moe_dispatch
@@ -192,13 +156,13 @@ def _order_of_exchange_and_shared():
 def _worker(runs):
     out = []
     for config, overrides, old_order in runs:
-        undo = _shared_outside() if old_order else (lambda: None)
+        undo = shared_experts_outside_exchange() if old_order else (lambda: None)
         events = _order_of_exchange_and_shared() if "mesh.ep=2" in overrides and not old_order else []
         try:
-            params, losses = _run(config, overrides)
+            params, _, metrics = run_config(config, overrides)
         finally:
             undo()
-        out.append({"params": params, "losses": losses, "events": events})
+        out.append({"params": params, "losses": torch.stack([m["loss"] for m in metrics]), "events": events})
     return out
 
 

@@ -23,7 +23,7 @@ from shardfn.runtime.param_source import abstract
 POLICIES = ("none", "selective", "full")
 
 
-def _run(config, overrides, steps=3, *, traced=False):
+def run_config(config, overrides, steps=3, *, traced=False):
     """Three steps of ``config``; ``traced``: one device's step run as its traced graph with no
     rewrite (remat ``none`` otherwise runs eagerly, whose fast paths sum in another order)."""
     cfg = load_config(config, [*BASE, *overrides])
@@ -43,7 +43,7 @@ def _run(config, overrides, steps=3, *, traced=False):
 
 @pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
 def test_remat_is_bitwise_none_on_one_device(config):
-    runs = {policy: _run(config, [f"train.remat={policy}"], traced=policy == "none") for policy in POLICIES}
+    runs = {policy: run_config(config, [f"train.remat={policy}"], traced=policy == "none") for policy in POLICIES}
     params, state, metrics = runs["none"]
     for policy in ("selective", "full"):
         p, s, m = runs[policy]
@@ -58,7 +58,7 @@ def _fsdp_worker(runs):
 
     out = []
     for config, overrides in runs:
-        params, _, metrics = _run(config, overrides)
+        params, _, metrics = run_config(config, overrides)
         out.append({"params": full(params), "losses": torch.stack([m["loss"] for m in metrics])})
     return out
 
