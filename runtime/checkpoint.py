@@ -53,6 +53,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
@@ -176,11 +177,18 @@ def _world() -> int:
 
 
 @contextlib.contextmanager
-def _quiet():
-    """DCP warns on every single-process save and load that it assumes one process: it is right."""
+def _dcp_call():
+    """Around a DCP save or load: its one-process warning is silenced (it is right), and a Ctrl-C
+    it caught and wrapped in a ``CheckpointException`` is a ``KeyboardInterrupt`` again, so an
+    interrupted save stops the run like any other Ctrl-C (the partial ``.tmp`` is never published)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        try:
+            yield
+        except CheckpointException as e:
+            if any(isinstance(exc, KeyboardInterrupt) for exc, _ in e.failures.values()):
+                raise KeyboardInterrupt from e
+            raise
 
 
 def _barrier() -> None:
@@ -209,7 +217,7 @@ def save_checkpoint(directory: str | os.PathLike, step: int, params: PyTree, opt
         tmp.mkdir(parents=True)
     _barrier()
     sd = state_dict(step, params, opt_state, rank=rank, rng_state=torch.get_rng_state())
-    with _quiet():
+    with _dcp_call():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp), planner=_planner(sd, BlocksSavePlanner),
                  no_dist=not _distributed())
     _barrier()  # every rank's shards are on disk
@@ -295,7 +303,7 @@ def load_checkpoint(path: str | os.PathLike, params_like: PyTree, opt_state_like
     rng_key = f"rng.cpu.rank{rank}" if f"rng.cpu.rank{rank}" in saved else "rng.cpu.rank0"
     if rng_key in saved:
         target[rng_key] = torch.empty(saved[rng_key].size, dtype=torch.uint8)
-    with _quiet():
+    with _dcp_call():
         dcp.load(target, storage_reader=dcp.FileSystemReader(path), planner=_planner(target, BlocksLoadPlanner),
                  no_dist=not _distributed())
     p_leaves, p_def = optree.tree_flatten(params_like, none_is_leaf=False)
@@ -332,7 +340,7 @@ def load_params(path: str | os.PathLike, params_like: PyTree, *, config: dict | 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     check_compatible(path, {k: v for k, v in saved.items() if k.startswith("params.")}, target, read_meta(path),
                      config)
-    with _quiet():
+    with _dcp_call():
         dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     _, treedef = optree.tree_flatten(params_like, none_is_leaf=False)
     return optree.tree_unflatten(treedef, [target[k] for k, _ in keys])

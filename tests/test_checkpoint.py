@@ -114,6 +114,27 @@ def test_keep_k_and_incomplete_saves_are_never_latest(tmp_path):
     assert ck.latest_checkpoint(tmp_path).name == "step_00000010"
 
 
+def test_ctrl_c_inside_a_save_is_a_keyboard_interrupt_and_publishes_nothing(tmp_path, monkeypatch):
+    """DCP catches a Ctrl-C in its writer and wraps it in a CheckpointException: the save raises
+    KeyboardInterrupt again (so the run stops with 130 and its resume line) and leaves the last
+    complete checkpoint the latest."""
+    from shardfn.core import optim
+
+    params = {"w": torch.arange(4.0)}
+    state = optim.adamw(0.1).init(params)
+    ck.save_checkpoint(tmp_path, 1, params, state)
+
+    def interrupted(_fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 2, params, state)
+    monkeypatch.undo()
+    assert ck.latest_checkpoint(tmp_path).name == "step_00000001"
+    assert not (tmp_path / "step_00000002").exists()
+
+
 @pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
 def test_resume_is_exact_on_one_device(tmp_path, config):
     common = ["train.steps=4", "train.checkpoint.every=2"]
@@ -453,7 +474,7 @@ def test_blocks_save_and_load_as_chunks_of_the_global_tensor(tmp_path):
 
     w = torch.arange(12.0).reshape(4, 3)
     sd = {"w": Blocks((4, 3), torch.float32, [((0, 0), w[:1]), ((1, 0), w[1:])]), "s": torch.tensor(7)}
-    with ck._quiet():
+    with ck._dcp_call():
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tmp_path), planner=BlocksSavePlanner(), no_dist=True)
         chunks = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata["w"].chunks
         assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [((0, 0), (1, 3)), ((1, 0), (3, 3))]
