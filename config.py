@@ -195,6 +195,9 @@ class PartitionConfig:
     # null: two layers' worth, FSDP's prefetch of one layer ahead)
     overlap: bool = False
     overlap_bytes: Union[int, None] = None
+    # Megatron sequence parallelism over tp: between the matmul blocks the residual stream and the
+    # norms hold 1/tp of the tokens (reduce-scatter after a block, all-gather before the next)
+    sequence_parallel: bool = False
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):

@@ -1,15 +1,15 @@
-"""Context parallelism against one device and tensor parallelism: step time and peak activation
-bytes per rank (``memory_report``) of a Llama train step on a long sequence.
+"""Context parallelism and sequence parallelism against one device and tensor parallelism: step
+time and peak activation bytes per rank (``memory_report``) of a Llama train step on a long sequence.
 
     python benchmarks/bench_context.py                       # dim 256, 4 layers, seq 4096, 2 ranks
     python benchmarks/bench_context.py --seq 1024 --steps 3  # smaller, for a busy machine
 
 Layouts: ``one`` (one rank, the whole sequence), ``cp2`` (the sequence split over 2 ranks),
-``tp2`` (Megatron tensor parallelism over 2 ranks; sequence parallelism is not in yet, so its
-residual stream is whole on each rank). Each layout runs in its own gloo process group, one after
-the other (not alternated pairs: the layouts need different process groups), and the step time
-is the median of ``--steps`` timed steps after one warm-up step. Writes
-``benchmarks/results/bench_context.json`` and prints one line per layout.
+``tp2`` (Megatron tensor parallelism over 2 ranks: the residual stream whole on each rank),
+``tp2_sp`` (the same with sequence parallelism: the stream split over the sequence). Each layout
+runs in its own gloo process group, one after the other (not alternated pairs: the layouts need
+different process groups), and the step time is the median of ``--steps`` timed steps after one
+warm-up step. Writes ``benchmarks/results/bench_context.json`` and prints one line per layout.
 """
 
 from __future__ import annotations
@@ -91,12 +91,13 @@ def main() -> None:
 
     base = overrides(args)
     results = {"one": one_device(base, args.steps)}
-    for name, layout in (("cp2", ["mesh.cp=2"]), ("tp2", ["mesh.tp=2"])):
+    for name, layout in (("cp2", ["mesh.cp=2"]), ("tp2", ["mesh.tp=2"]),
+                         ("tp2_sp", ["mesh.tp=2", "partition.sequence_parallel=true"])):
         results[name] = spawn(worker, 2, args=(layout, base, args.steps), timeout_s=3600)[0]
     for name, r in results.items():
         r["step_ratio_vs_one"] = r["step_s"] / results["one"]["step_s"]
         r["activation_ratio_vs_one"] = r["activations"] / results["one"]["activations"]
-        print(f"{name:4s} step {r['step_s']:.3f} s ({r['step_ratio_vs_one']:.2f}x one)  activations/rank "
+        print(f"{name:6s} step {r['step_s']:.3f} s ({r['step_ratio_vs_one']:.2f}x one)  activations/rank "
               f"{r['activations'] / 2**20:.1f} MiB ({r['activation_ratio_vs_one']:.2f}x one)  loss {r['loss']:.5f}")
     os.makedirs(os.path.join(os.path.dirname(__file__), "results"), exist_ok=True)
     path = os.path.join(os.path.dirname(__file__), "results", "bench_context.json")

@@ -161,7 +161,7 @@ class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
     def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None,
-                 reshard_after_forward=True, passes=None, bucket_bytes=None, verbose=False):
+                 reshard_after_forward=True, passes=None, bucket_bytes=None, verbose=False, sequence_parallel=()):
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs
@@ -177,6 +177,7 @@ class Jitted:
             check_bucket_bytes(bucket_bytes)
         self.bucket_bytes = bucket_bytes
         self.verbose = verbose
+        self.sequence_parallel = _sequence_axes(sequence_parallel, mesh)
         self._cache: dict[Any, LoweredStep] = {}
 
     def lower(self, *args) -> LoweredStep:
@@ -231,7 +232,8 @@ class Jitted:
         roles = [self.arg_names[i] if self.arg_names else f"arg{i}" for i in arg_of_leaf]
         def lower_traced(traced):
             return lower(traced, self.mesh, in_placements, out_placements, stored=stored,
-                         fsdp_axes=self.fsdp_axes, reuse_gathers=not self.reshard_after_forward)
+                         fsdp_axes=self.fsdp_axes, reuse_gathers=not self.reshard_after_forward,
+                         sequence_parallel=self.sequence_parallel)
 
         lowered = lower_traced(traced)
         if self.passes.get("after_propagate"):  # they read each node's meta["sf_placements"]
@@ -266,6 +268,7 @@ def jit(
     passes: Mapping[str, Sequence[Callable]] | None = None,
     bucket_bytes: int | None = None,
     verbose: bool = False,
+    sequence_parallel: str | Sequence[str] = (),
 ) -> Jitted:
     """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
 
@@ -294,6 +297,10 @@ def jit(
         verbose: print one line (to stderr) when a signature is first lowered and when its program
             is first compiled, with the seconds each took; else those lines go to the
             ``shardfn.jit`` logger at INFO (``logging.basicConfig(level=logging.INFO)`` shows them).
+        sequence_parallel: mesh axes (``"tp"``) for Megatron sequence parallelism: a partial sum
+            over them of an activation ``[batch, seq, ...]`` is reduce-scattered over its seq dim
+            instead of all-reduced, so norms and residual adds run on ``1/tp`` of the tokens, and
+            the gather before the next matmul is made once for all its consumers (``docs/context.md``).
 
     Example:
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
@@ -303,7 +310,16 @@ def jit(
         raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
                         f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget,
-                  reshard_after_forward, passes, bucket_bytes, verbose)
+                  reshard_after_forward, passes, bucket_bytes, verbose, sequence_parallel)
+
+
+def _sequence_axes(axes: str | Sequence[str], mesh: Mesh) -> tuple[str, ...]:
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    for a in axes:
+        if a not in mesh.axes:
+            raise ValueError(f"sf.jit sequence_parallel: unknown mesh axis {a!r}; the mesh has axes "
+                             f"{tuple(mesh.axes)} (sequence parallelism splits over the tensor-parallel axis, 'tp')")
+    return axes
 
 
 def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None = None, **solve_kwargs):

@@ -289,6 +289,30 @@ def check_run(model, cfg) -> None:
     check_batch(cfg.train.batch_size, data_size(rules, axes), p.microbatches if pp > 1 else 1,
                 data_axes=tuple(n for n in entry_axes(rules.get("batch"))))
     check_context(model, cfg, axes, rules)
+    check_sequence_parallel(cfg.partition.sequence_parallel, cfg.train.seq_len, axes, seq_split(rules, axes))
+
+
+def check_sequence_parallel(enabled: bool, seq_len: int, axes: Mapping[str, int], seq_split: int = 1) -> None:
+    """Raise :class:`LayoutError` naming ``partition.sequence_parallel`` when it cannot split the
+    sequence over ``tp``: no ``tp`` axis, a sequence already split over ``cp``, or a length ``tp``
+    does not divide.
+
+    Example:
+        check_sequence_parallel(True, 64, {"dp": 2})   # LayoutError: partition.sequence_parallel: ... mesh.tp > 1
+    """
+    if not enabled:
+        return
+    tp = axes.get("tp", 1)
+    if tp == 1:
+        raise LayoutError("partition.sequence_parallel", "true splits the sequence over the tensor-parallel axis "
+                                                         "and needs mesh.tp > 1; set mesh.tp or drop it")
+    if seq_split > 1:
+        raise LayoutError("partition.sequence_parallel", f"the sequence is already split over mesh.cp "
+                                                         f"({seq_split} ways); splitting it over tp as well is not "
+                                                         f"built: use mesh.cp or sequence parallelism, not both")
+    if seq_len % tp:
+        raise LayoutError("train.seq_len", f"{seq_len} is not divisible by mesh.tp = {tp} (sequence parallelism "
+                                           f"splits the sequence over tp); use a multiple of {tp}")
 
 
 def check_context(model, cfg, axes: Mapping[str, int], rules: Mapping) -> None:

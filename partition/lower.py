@@ -57,6 +57,7 @@ def lower(
     stored: Sequence[bool] = (),
     fsdp_axes: Sequence[str] = (),
     reuse_gathers: bool = False,
+    sequence_parallel: Sequence[str] = (),
 ) -> Lowered:
     """Run propagation under make_fx on local fake inputs and return the per-rank graph.
 
@@ -64,9 +65,12 @@ def lower(
     (a gradient left as a partial sum, to be reduced later); ``Lowered.out_placements`` has the
     placements every output really leaves in. ``reuse_gathers``: a stored value is gathered
     once and the gathered copy serves each later use (``partition.reshard_after_forward=false``).
+    ``sequence_parallel``: mesh axes a ``[batch, seq, ...]`` activation's partial sum is
+    reduce-scattered over along its sequence dim (Megatron-SP; ``propagate``).
     """
     stored = list(stored) or [False] * len(traced.in_meta)
-    interp = ShardingInterpreter(traced.graph_module, mesh, stored, fsdp_axes, reuse_gathers=reuse_gathers)
+    interp = ShardingInterpreter(traced.graph_module, mesh, stored, fsdp_axes, reuse_gathers=reuse_gathers,
+                                 sequence_parallel=sequence_parallel)
     dmesh = mesh.device_mesh
     kept = list(out_placements)
 

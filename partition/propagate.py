@@ -19,7 +19,12 @@ cheapest strategy for the inputs it is given). Three policies sit on top:
    ops that keep the value's shape (the optimizer update) run on the shard. With
    ``reuse_gathers`` (``partition.reshard_after_forward=false``) each stored value is gathered
    once and the gathered copy serves the backward too: fewer bytes moved, more held.
-3. **Constraints** (``sf.constrain``) redistribute to exactly their spec; so does a node whose
+3. **Sequence parallelism** (``sequence_parallel=("tp",)``, Megatron-SP): a partial sum over such
+   an axis of a ``[batch, seq, features]`` activation is reduced to a shard of its sequence dim (one
+   reduce-scatter, not an all-reduce), so the residual stream and the norms between the matmul
+   blocks hold ``1/tp`` of the tokens; the next column-parallel matmul gathers the shard, once
+   however many consumers (q, k, v; gate and up) read it.
+4. **Constraints** (``sf.constrain``) redistribute to exactly their spec; so does a node whose
    ``meta["sf_force"]`` holds placements (how the auto-sharder imposes its solution).
 
 Run it under ``make_fx`` (see ``lower``) and the DTensor ops become local ops plus functional
@@ -47,6 +52,9 @@ _SLICING_OPS = {aten.select.int, aten.slice.Tensor}
 # and stays stored, so it is gathered in the compute dtype.
 _CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
+
+# Views that may flatten a [batch, seq, ...] activation into rows (before a matmul).
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 _CONSTANT_COPIES = {aten.lift_fresh_copy.default, aten.lift_fresh.default}
 
@@ -98,7 +106,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
         fsdp_axes: mesh-axis names a stored value is gathered over for use.
     """
 
-    def __init__(self, gm, mesh, stored: Sequence[bool], fsdp_axes: Sequence[str], *, reuse_gathers: bool = False):
+    def __init__(self, gm, mesh, stored: Sequence[bool], fsdp_axes: Sequence[str], *, reuse_gathers: bool = False,
+                 sequence_parallel: Sequence[str] = ()):
         super().__init__(gm)
         self.reuse_gathers = reuse_gathers
         self.gathered: dict[torch.fx.Node, DTensor] = {}  # stored value -> its gathered copy (reuse_gathers)
@@ -107,6 +116,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
         self.dmesh = mesh.device_mesh
         self.names = mesh.dims  # mesh-dim index -> axis name
         self.fsdp_dims = [self.names.index(a) for a in fsdp_axes if a in self.names]
+        self.sp_dims = {self.names.index(a) for a in sequence_parallel if a in self.names}
+        self.sp_gathered: dict = {}  # (value's node, placements) -> its gathered copy (sequence parallel)
         self.stored_nodes: set[torch.fx.Node] = set()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.stored_nodes.update(n for n, s in zip(placeholders, stored) if s)
@@ -149,6 +160,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
             return args[0]  # a constant captured by the trace: already a replicated value
         args, kwargs = self._gather_stored(n, target, args, kwargs)
         args, kwargs = self._reduce_partials(n, target, args, kwargs)
+        if self.sp_dims:
+            args, kwargs = self._gather_sequence_once(n, target, args, kwargs)
         try:
             if target in _LOSS_OPS and _class_dim_sharded(target, args):
                 if target is aten.nll_loss_backward.default and isinstance(args[6], DTensor):
@@ -304,7 +317,8 @@ class ShardingInterpreter(torch.fx.Interpreter):
             sharded_by_others = {d for j in tensor_idx if flat[j] is not x
                                  for d, q in enumerate(flat[j].placements) if isinstance(q, Shard)}
             placements = tuple(
-                (w.placements[d] if isinstance(w.placements[d], Shard) and d in sharded_by_others else Replicate())
+                (w.placements[d] if isinstance(w.placements[d], Shard) and d in sharded_by_others
+                 else Shard(1) if d in self.sp_dims and x.ndim == 3 else Replicate())
                 if d in dims and isinstance(p, Partial) else p for d, p in enumerate(x.placements)
             )
             placements = _even(placements, dims, x.shape, self.dmesh.shape)
@@ -317,8 +331,50 @@ class ShardingInterpreter(torch.fx.Interpreter):
                 self.env[src] = reduced  # reduce once: later consumers see the reduced value
         return private.tree_unflatten(flat, spec)
 
+    def _gather_sequence_once(self, n, target, args, kwargs):
+        """Sequence parallelism: the gather of a sequence-split value that an op needs whole
+        (the column-parallel matmuls after a norm) is made once and serves every consumer."""
+        flat, spec = private.tree_flatten((args, kwargs))
+        sources = private.tree_leaves((n.args, n.kwargs))
+        tensor_idx = [i for i, x in enumerate(flat) if isinstance(x, DTensor)]
+        split = [i for i in tensor_idx if self._sequence_split(flat[i])]
+        if not split or len(sources) != len(flat):
+            return args, kwargs
+        wanted, outs = private.planned_sharding(target, args, kwargs)
+        if target in _VIEWS and outs and split == tensor_idx[:1] and any(
+                not (type(outs[0][d]) is Shard and outs[0][d].dim == 1) for d in self.sp_dims):
+            # flattening [batch, seq, ...] to rows for a matmul: gather the sequence first (once
+            # for the value), rather than carry a strided shard each matmul gathers again
+            x = flat[tensor_idx[0]]
+            wanted = [_with_replicated(x, self.sp_dims)]  # the view's only tensor input
+        if wanted is None or len(wanted) != len(tensor_idx):
+            return args, kwargs
+        for i, w in zip(tensor_idx, wanted):
+            x, src = flat[i], sources[i]
+            if i not in split or not isinstance(src, torch.fx.Node) or src in self.stored_nodes:
+                continue
+            want = tuple(w) if isinstance(w, tuple) else tuple(w.placements)
+            gathers = [d for d, (now, to) in enumerate(zip(x.placements, want)) if now != to]
+            if not gathers or any(d not in self.sp_dims or not isinstance(x.placements[d], Shard)
+                                  or not isinstance(want[d], Replicate) for d in gathers):
+                continue  # only gathers over the sequence axes are shared
+            key = (src, want)
+            if key not in self.sp_gathered:
+                self.sp_gathered[key] = x.redistribute(self.dmesh, list(want))
+            flat[i] = self.sp_gathered[key]
+        return private.tree_unflatten(flat, spec)
+
+    def _sequence_split(self, x: DTensor) -> bool:
+        """``x`` is a ``[batch, seq, features]`` activation split over its sequence on a sequence-parallel axis."""
+        return x.ndim == 3 and any(type(x.placements[d]) is Shard and x.placements[d].dim == 1 for d in self.sp_dims)
+
     def _replicated(self, t: torch.Tensor) -> DTensor:
         return DTensor.from_local(t, self.dmesh, [Replicate()] * self.dmesh.ndim, run_check=False)
+
+
+def _with_replicated(x: DTensor, dims: set) -> tuple:
+    """``x``'s placements with a sequence shard on ``dims`` replaced by ``Replicate``."""
+    return tuple(Replicate() if d in dims and isinstance(p, Shard) else p for d, p in enumerate(x.placements))
 
 
 def _even(placements: tuple, dims: set, shape, mesh_shape) -> tuple:

@@ -168,7 +168,7 @@ def _local_spec(spec: TensorSpec, mesh, placements) -> TensorSpec:
 
 def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_once: bool,
                 fsdp_axes: tuple[str, ...] = ("fsdp",), device: torch.device | str = "cpu",
-                remat: str = "none") -> StagePrograms:
+                remat: str = "none", sequence_parallel: tuple[str, ...] = ()) -> StagePrograms:
     """``stage``'s programs for one rank of ``mesh`` (the stage's mesh, no ``pp``).
 
     Args:
@@ -180,6 +180,7 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
         gather_once: gather the parameters over ``fsdp_axes`` once per step (a separate program)
             rather than on each use in F and I.
         remat: a ``partition.remat`` policy applied to the stage's joint before it is partitioned.
+        sequence_parallel: mesh axes for Megatron sequence parallelism inside the stage (``lower``).
 
     Example:
         programs = lower_stage(pipe.stages[1], mesh.sub(["fsdp", "tp"]), specs, P("fsdp"), gather_once=True)
@@ -213,7 +214,8 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
     out_pl += [None] * (len(out_meta) - len(out_pl))  # gradients: as propagation leaves them
     traced = Traced(gm, None, None, list(names), in_meta, out_meta)
     with mesh_scope(mesh):
-        joint = lower(traced, mesh, in_pl, out_pl, stored=stored, fsdp_axes=fsdp_axes)
+        joint = lower(traced, mesh, in_pl, out_pl, stored=stored, fsdp_axes=fsdp_axes,
+                      sequence_parallel=sequence_parallel)
     head = 1 + has_x
     grads = dict(zip(stage.param_paths, joint.out_placements[head:]))
     layout = dataclasses.replace(layout, grads=grads)

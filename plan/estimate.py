@@ -276,7 +276,8 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
                      "pipeline collectives from per-layer traces of the stage mesh; gradient sums held unsharded "
                      "over fsdp until the step's reduction")
     run = run_estimate(cfg, layout, hardware=hw, spec=RunSpec(
-        remat=cfg.train.remat, compute_bytes=itemsize, reduce_bytes=4))
+        remat=cfg.train.remat, compute_bytes=itemsize, reduce_bytes=4,
+        sequence_parallel=cfg.partition.sequence_parallel))
     return Plan(
         model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(compute), layout=layout,
         batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,

@@ -109,7 +109,7 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
         reshard_after_forward=reshard_after_forward(cfg), bucket_bytes=cfg.partition.bucket_bytes,
-        passes=_passes(cfg),
+        passes=_passes(cfg), sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in mesh.axes else (),
     )
     last: dict = {}
     split = seq_split(specs["rules"], mesh.axes)

@@ -394,7 +394,8 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                        specs: dict | None = None, batch_axes: tuple[str, ...] | None = None,
                        reshard_after_forward: bool = False, compile: bool = False, record: bool = False,
                        model=None, model_cfg=None, experts=None, recorder=None, skip_nonfinite: bool = False,
-                       all_stages: bool = False, device=None, remat: str = "none") -> PipelineStep:
+                       all_stages: bool = False, device=None, remat: str = "none",
+                       sequence_parallel: tuple[str, ...] = ()) -> PipelineStep:
     """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
 
     Args:
@@ -418,6 +419,8 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
         skip_nonfinite: a step whose loss or gradient norm is NaN/Inf keeps the incoming state.
         all_stages: build every stage's programs (planning one rank's view of all ranks).
         remat: a ``partition.remat`` policy for every stage's joint (``train.remat``).
+        sequence_parallel: the stage mesh's axes for Megatron sequence parallelism (``("tp",)``
+            under ``partition.sequence_parallel``).
 
     Example:
         step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2, "fsdp": 2}),
@@ -453,7 +456,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                       torch.device("cpu")) if pipe.graph_module is not None else torch.device("cpu")
     built = range(pipe.n_stages) if all_stages else schedule.stages_of(pp_rank)
     programs = {s: lower_stage(pipe.stages[s], stage_mesh, all_specs, batch, gather_once=not reshard_after_forward,
-                               device=device, remat=remat) for s in built}
+                               device=device, remat=remat, sequence_parallel=sequence_parallel) for s in built}
     if compile:
         for s in schedule.stages_of(pp_rank):
             for part in (programs[s].stage.F, programs[s].stage.I, programs[s].stage.W):
@@ -528,7 +531,9 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
                               specs=specs, batch_axes=data, reshard_after_forward=reshard_after_forward(cfg),
                               compile=cfg.train.compile, record=record, model=model, model_cfg=cfg.model,
                               experts=experts, recorder=recorder, skip_nonfinite=cfg.train.nonfinite == "skip",
-                              all_stages=all_stages, device=device, remat=cfg.train.remat)
+                              all_stages=all_stages, device=device, remat=cfg.train.remat,
+                              sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in stage_mesh.axes
+                              else ())
 
 
 def pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:

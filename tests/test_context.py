@@ -1,9 +1,11 @@
 """Context parallelism (``mesh.cp``): the sequence split over ranks, load-balanced, attention with
-K/V gathered per layer. Parity with one device (fp32, rtol 1e-5) on real gloo ranks, the exact
-exchange bytes, activation bytes per rank, and the layout's errors."""
+K/V gathered per layer; and tp's sequence parallelism (``partition.sequence_parallel``). Parity
+with one device (fp32, rtol 1e-5) on real gloo ranks, the exact exchange bytes, activation bytes
+per rank, and the layouts' errors."""
 
 import pytest
 import torch
+from torch.distributed.tensor import Partial, Shard
 
 import shardfn as sf
 from shardfn import P, models
@@ -11,9 +13,9 @@ from shardfn.config import load_config
 from shardfn.core.positional_attention import positional_attention
 from shardfn.partition.context import balanced_batch, exchange_bytes_per_layer, load_balance_order
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import batch_spec, check_run, resolve_rules
+from shardfn.partition.layouts import batch_spec, check_run, check_sequence_parallel, resolve_rules
 from shardfn.runtime.partitioned import full, mesh_from_config, mesh_step
-from tests.parity import _grad_fn, assert_matches, reference, setup
+from tests.parity import BASE, _grad_fn, assert_matches, reference, setup
 
 
 def context_worker(overrides, config=None):
@@ -27,7 +29,8 @@ def context_worker(overrides, config=None):
     grad_of = _grad_fn(model, cfg)
     grad_step = lambda p, b: (lambda lg: (lg[0], sf.constrain(lg[1], specs["params"])))(grad_of(p, b))  # noqa: E731
     grad_fn = sf.jit(grad_step, mesh, in_specs=(specs["params"], specs["batch"]), out_specs=(P(), specs["params"]),
-                     fsdp_argnums=(0,) if cfg.mesh.fsdp > 1 else (), backend=None)
+                     fsdp_argnums=(0,) if cfg.mesh.fsdp > 1 else (), backend=None,
+                     sequence_parallel=("tp",) if cfg.partition.sequence_parallel else ())
     _, grads0 = grad_fn(params, balanced_batch(batches[0], cfg.mesh.cp))
     losses = []
     for b in batches:
@@ -151,3 +154,93 @@ def test_cp2_fsdp2_llama_matches_one_device():
 @pytest.mark.slow
 def test_cp2_moe_mla_matches_one_device():
     assert_matches(run_context(LLAMA_CP2, 2, "moe_tiny"), reference("moe_tiny"))
+
+
+@pytest.mark.slow
+def test_cp2_tp2_llama_matches_one_device():
+    assert_matches(run_context(["mesh.cp=2", "mesh.tp=2"], 4, "llama_tiny"), reference("llama_tiny"))
+
+
+# ----------------------------------------------------------------------------- sequence parallelism (tp)
+
+LLAMA_SP = ["mesh.tp=2", "partition.sequence_parallel=true"]
+
+
+def test_sequence_parallel_layouts_name_the_key():
+    with pytest.raises(LayoutError, match=r"partition.sequence_parallel: .*needs mesh.tp > 1"):
+        check_run(models.get("llama"), load_config("llama_tiny", ["partition.sequence_parallel=true"]))
+    with pytest.raises(LayoutError, match=r"partition.sequence_parallel: the sequence is already split over mesh.cp"):
+        check_sequence_parallel(True, 64, {"cp": 2, "tp": 2}, seq_split=2)
+    with pytest.raises(LayoutError, match=r"train.seq_len: 31 is not divisible by mesh.tp = 2"):
+        check_sequence_parallel(True, 31, {"tp": 2})
+    with pytest.raises(ValueError, match=r"sequence_parallel: unknown mesh axis 'sp'"):
+        sf.jit(lambda x: x, sf.Mesh({"tp": 2}, fake=True), sequence_parallel="sp")
+
+
+def test_tp2_sequence_parallel_llama_matches_one_device():
+    assert_matches(run_context(LLAMA_SP, 2, "llama_tiny"), reference("llama_tiny"))
+
+
+def test_tp2_sequence_parallel_bytes_are_the_megatron_sp_textbook():
+    """Megatron-SP: each attention and MLP block all-gathers its input (b*s*h) once before its
+    column-parallel matmuls and reduce-scatters its row-parallel output (b*s*h), in the forward
+    and again (the conjugates) in the backward; the embedding's output is reduce-scattered and
+    the LM head's input gathered. No activation is all-reduced: the all-reduces left are the
+    vocab-parallel loss's row statistics, the norm weights' gradients and the global grad norm."""
+    cfg = load_config("llama_tiny", [*BASE, *LLAMA_SP])
+    b, s, h, n = cfg.train.batch_size, cfg.train.seq_len, cfg.model.dim, cfg.model.n_layers
+    bsh = b * s * h * 4
+    out = run_context(LLAMA_SP, 2, "llama_tiny")[0]
+    gathers = [c for c in out["collectives"] if c["op"] == "all_gather"]
+    scatters = [c for c in out["collectives"] if c["op"] == "reduce_scatter"]
+    reduces = [c for c in out["collectives"] if c["op"] == "all_reduce"]
+    assert [c["bytes"] for c in gathers] == [bsh] * (2 * 2 * n + 1)
+    embedding_grad = cfg.model.vocab_size * h * 4  # the vocab-split embedding's gradient, to its shard
+    assert sorted(c["bytes"] for c in scatters) == [bsh] * (2 * 2 * n + 2) + [embedding_grad]
+    assert sum(c["bytes"] for c in reduces) == 3 * b * s * 4 + (2 * n + 1) * h * 4 + 4
+    assert all(c["axis"] == "tp" for c in out["collectives"])
+
+
+def test_tp2_sequence_parallel_halves_the_activations_per_rank(clean_process_group):
+    """Peak activation bytes per rank of the train step (memory_report, fake meshes, a sequence
+    long enough that activations make the peak): tp2 alone keeps the residual stream and norms
+    whole on each rank (0.60 of one device); with sequence parallelism they are split and the
+    peak is half of one device's, but for the one gathered matmul input each block keeps for
+    its backward."""
+    cfg, model, params, opt, batches = setup(["train.seq_len=512", "train.batch_size=2"], "llama_tiny")
+    peak = {}
+    for name, axes, sp in (("one", {"dp": 1}, ()), ("tp2", {"tp": 2}, ()), ("tp2_sp", {"tp": 2}, ("tp",))):
+        cfg.partition.sequence_parallel = bool(sp)
+        step = mesh_step(cfg, model, opt, params, sf.Mesh(axes, fake=True), backend=None)
+        lowered = step.jitted.lower(params, opt.init(params), batches[0])
+        peak[name] = lowered.memory_report()["activations"]
+        if sp:
+            stream = [n for n in lowered.traced.graph_module.graph.nodes
+                      if n.target is torch.ops.aten.add.Tensor and tuple(n.meta["val"].shape) == (2, 512, 64)]
+            # the residual stream (forward adds, gradient accumulation) is split over the sequence,
+            # or a partial sum of gradients not yet reduced; never whole on a rank
+            placements = {n.meta["sf_placements"] for n in stream}
+            assert len(stream) > 4 * cfg.model.n_layers and placements == {(Shard(1),), (Partial(),)}
+    assert peak["tp2"] / peak["one"] == pytest.approx(0.604, abs=0.002)
+    assert peak["tp2_sp"] / peak["one"] == pytest.approx(0.504, abs=0.002)
+
+
+@pytest.mark.slow
+def test_tp2_sequence_parallel_moe_mla_matches_one_device():
+    assert_matches(run_context(LLAMA_SP, 2, "moe_tiny"), reference("moe_tiny"))
+
+
+def test_pipeline_stages_run_sequence_parallel():
+    """pp2 x tp2: stage 0 (the embedding and the first layer's two blocks) per microbatch
+    reduce-scatters the embedding's output and each block's output, forward and backward, and
+    gathers each block's input twice (its forward, its output gradient's backward); no
+    activation is all-reduced over tp."""
+    from shardfn.plan.profile import lower_pipeline
+
+    cfg = load_config("llama_tiny", ["mesh.pp=2", "mesh.tp=2", "pipeline.microbatches=2", *LLAMA_SP[1:]])
+    micro = cfg.train.batch_size // cfg.pipeline.microbatches
+    bsh = micro * cfg.train.seq_len * cfg.model.dim * 4
+    rows = {r["op"]: r for r in lower_pipeline(cfg).comm_report(0) if r["axis"] == "tp"}
+    assert (rows["all_gather"]["count"], rows["all_gather"]["bytes"]) == (2 * 4, 2 * 4 * bsh)
+    assert rows["reduce_scatter"]["bytes"] == 2 * 5 * bsh + cfg.model.vocab_size * cfg.model.dim * 4
+    assert rows["all_reduce"]["bytes"] < bsh // 100  # norm weights' gradients and the grad norm
