@@ -235,6 +235,11 @@ def attention_shape(cfg: Config) -> tuple[int, int, int]:
     return cfg.n_heads, cfg.head_dim, cfg.head_dim
 
 
+def kv_width(cfg: Config) -> int:
+    """Elements of K plus V per token that attention reads (what context parallelism gathers)."""
+    return 2 * cfg.n_kv_heads * cfg.head_dim
+
+
 def aux_update(params: PyTree, aux: dict, cfg: Config) -> PyTree:
     """The step's non-gradient parameter update: none for this model."""
     return params

@@ -404,6 +404,14 @@ def attention_shape(cfg: Config) -> tuple[int, int, int]:
     return cfg.n_heads, cfg.head_dim, cfg.head_dim
 
 
+def kv_width(cfg: Config) -> int:
+    """Elements of K plus V per token that attention reads (what context parallelism gathers):
+    MLA's per-head keys and values after ``wkv_b`` expands the latent."""
+    if cfg.attention == "mla":
+        return cfg.n_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    return 2 * cfg.n_kv_heads * cfg.head_dim
+
+
 def aux_update(params: PyTree, aux: dict, cfg: Config) -> PyTree:
     """``params`` after the step's non-gradient update: each router's selection bias moved by
     auxiliary-loss-free balancing (:func:`shardfn.core.moe.update_expert_bias`) from

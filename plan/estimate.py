@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 from shardfn.partition.hardware import Hardware, load_hardware
-from shardfn.partition.layouts import MESH_AXES
+from shardfn.partition.layouts import AXIS_ORDER
 from shardfn.plan.inventory import (
     Leaf,
     ModelFacts,
@@ -198,7 +198,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     facts = model_facts(model, mcfg, leaves)
     itemsize = torch.empty((), dtype=compute).element_size()  # activations and exchanges
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    tokens_mb = rows * cfg.train.seq_len                    # tokens of one microbatch on one rank
+    tokens_mb = rows * cfg.train.seq_len // layout.cp       # tokens of one microbatch on one rank
     input_bytes = tokens_mb * mcfg.dim * itemsize           # one [mb, seq, dim] activation
     ep_bytes = tokens_mb * facts.top_k * mcfg.dim * itemsize  # one exchange's buffer
 
@@ -318,7 +318,7 @@ def _pipeline_rows(rows: list[dict]) -> list[dict]:
     """A pipeline step's static comm report as plan rows (``source``: ``trace``, P2P ``schedule``)."""
     order = {op: i for i, op in enumerate(COMM_OPS)}
     out = [{**r, "source": "schedule" if r["op"] == "p2p" else "trace"} for r in rows if "layer" not in r]
-    return sorted(out, key=lambda r: (order.get(r["op"], 99), MESH_AXES.index(r["axis"])))
+    return sorted(out, key=lambda r: (order.get(r["op"], 99), AXIS_ORDER.index(r["axis"])))
 
 
 def by_axis(rows: Iterable[dict]) -> dict:
@@ -334,7 +334,7 @@ def _comm_rows(mb_comm: Comm, microbatches: int, step_comm: Comm) -> list[dict]:
     order = {op: i for i, op in enumerate(COMM_OPS)}
     rows = [{"op": op, "axis": axis, "bytes": int(b), "count": int(c), "source": "trace"}
             for (op, axis), (b, c) in total.items() if c]
-    return sorted(rows, key=lambda r: (order.get(r["op"], 99), MESH_AXES.index(r["axis"])))
+    return sorted(rows, key=lambda r: (order.get(r["op"], 99), AXIS_ORDER.index(r["axis"])))
 
 
 def _estimated_rows(layout: Layout, share: RankShare, ep_bytes: int, input_bytes: int, sends: dict) -> list[dict]:

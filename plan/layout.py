@@ -15,14 +15,23 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import DATA_AXES, MESH_AXES, check_batch, check_model, check_stages
+from shardfn.partition.layouts import (
+    AXIS_ORDER,
+    DATA_AXES,
+    MESH_AXES,
+    check_batch,
+    check_context,
+    check_model,
+    check_stages,
+    resolve_rules,
+)
 from shardfn.partition.schedules import SCHEDULES, canonical_name, get_schedule, simulate, stages_per_rank
 
 PlanError = LayoutError
 """A layout that cannot run; ``key`` is the config key to change (``"mesh.ep"``)."""
 
-PLACEMENT_ORDER = tuple(reversed(MESH_AXES))
-"""Mesh axes onto nodes, innermost (fastest links) first: ``tp, ep, fsdp, dp, pp``."""
+PLACEMENT_ORDER = tuple(reversed(AXIS_ORDER))
+"""Mesh axes onto nodes, innermost (fastest links) first: ``tp, ep, cp, fsdp, dp, pp``."""
 
 
 @dataclass(frozen=True)
@@ -30,7 +39,8 @@ class Layout:
     """One way to lay a run out: mesh axis sizes, microbatches, pipeline schedule, checkpointing.
 
     ``virtual`` is the number of stages per pipeline rank (``None``: the schedule's default,
-    ``partition.schedules.stages_per_rank``).
+    ``partition.schedules.stages_per_rank``). ``cp`` splits the sequence (context parallelism);
+    it is listed with the axes only when > 1, as a run's mesh lists it.
 
     Example:
         Layout(pp=16, ep=64, microbatches=32).world_size      # 1024
@@ -46,6 +56,7 @@ class Layout:
     schedule: str = "1f1b"
     checkpointing: bool = False
     virtual: int | None = None
+    cp: int = 1
 
     @classmethod
     def from_config(cls, cfg, *, checkpointing: bool = False) -> "Layout":
@@ -59,11 +70,11 @@ class Layout:
         if pipe.stages is not None:
             virtual = stages_per_rank(pipe.schedule, mesh.pp, pipe.stages)
         return cls(mesh.pp, mesh.dp, mesh.fsdp, mesh.ep, mesh.tp, pipe.microbatches, canonical_name(pipe.schedule),
-                   checkpointing, virtual)
+                   checkpointing, virtual, mesh.cp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.fsdp * self.ep * self.tp
+        return self.pp * self.dp * self.fsdp * self.cp * self.ep * self.tp
 
     @property
     def data_size(self) -> int:
@@ -81,11 +92,11 @@ class Layout:
         return self.pp * self.stages_per_rank
 
     def axes(self, *, include_pp: bool = True) -> dict[str, int]:
-        """``{"pp": .., "dp": .., "fsdp": .., "ep": .., "tp": ..}``, major to minor."""
-        return {a: getattr(self, a) for a in MESH_AXES if include_pp or a != "pp"}
+        """``{"pp": .., "dp": .., "fsdp": .., "ep": .., "tp": ..}`` (``cp`` too when > 1), major to minor."""
+        return {a: getattr(self, a) for a in _listed(self) if include_pp or a != "pp"}
 
     def describe(self) -> str:
-        axes = " ".join(f"{a}={getattr(self, a)}" for a in MESH_AXES)
+        axes = " ".join(f"{a}={getattr(self, a)}" for a in _listed(self))
         virtual = f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         return f"{axes} mb={self.microbatches} {self.schedule}{virtual}{' ckpt' if self.checkpointing else ''}"
 
@@ -93,6 +104,10 @@ class Layout:
         return {**self.axes(), "microbatches": self.microbatches, "schedule": self.schedule,
                 "stages_per_rank": self.stages_per_rank, "checkpointing": self.checkpointing,
                 "world_size": self.world_size}
+
+
+def _listed(layout: Layout) -> tuple[str, ...]:
+    return tuple(a for a in AXIS_ORDER if a in MESH_AXES or getattr(layout, a) > 1)
 
 
 # ============================================================================ checks
@@ -109,7 +124,7 @@ def check_layout(cfg, layout: Layout, *, gpus: int | None = None) -> None:
     Example:
         check_layout(cfg, Layout(ep=7))   # PlanError: mesh.ep: 7 does not divide model.n_experts = 384 ...
     """
-    for a in MESH_AXES:
+    for a in AXIS_ORDER:
         if getattr(layout, a) < 1:
             raise PlanError(f"mesh.{a}", f"must be >= 1, got {getattr(layout, a)}")
     if gpus is not None and layout.world_size != gpus:
@@ -120,10 +135,13 @@ def check_layout(cfg, layout: Layout, *, gpus: int | None = None) -> None:
 
 
 def check_mesh(cfg, layout: Layout) -> None:
-    """The checks that depend on the mesh axes alone."""
+    """The checks that depend on the mesh axes alone (and, for ``cp``, the sequence length)."""
     from shardfn import models
 
-    check_model(models.get(cfg.model_name), cfg.model, layout.axes(), cfg.rules)
+    model = models.get(cfg.model_name)
+    check_model(model, cfg.model, layout.axes(), cfg.rules)
+    axes = layout.axes()
+    check_context(model, cfg, axes, resolve_rules(cfg.rules, axes))  # cp: the sequence, pp, mtp
 
 
 def check_pipeline(cfg, layout: Layout) -> None:
@@ -150,7 +168,8 @@ def check_layout_batch(cfg, layout: Layout) -> None:
 def _world_message(layout: Layout, gpus: int) -> str:
     rest = layout.world_size // layout.dp
     hint = f"; set mesh.dp={gpus // rest}" if gpus % rest == 0 else ""
-    return (f"the mesh pp*dp*fsdp*ep*tp = {'*'.join(str(getattr(layout, a)) for a in MESH_AXES)} = "
+    names = _listed(layout)
+    return (f"the mesh {'*'.join(names)} = {'*'.join(str(getattr(layout, a)) for a in names)} = "
             f"{layout.world_size} devices but --gpus is {gpus}{hint}")
 
 

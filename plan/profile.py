@@ -92,7 +92,7 @@ class Profile:
 def _representative(cfg, model_cfg, axes: Mapping[str, int], rows: int):
     """``cfg`` with a reduced model, the mesh ``axes`` (no pp), one microbatch of ``rows`` rows per rank."""
     data = axes.get("dp", 1) * axes.get("fsdp", 1) * axes.get("ep", 1)
-    mesh = dataclasses.replace(cfg.mesh, pp=1, **{a: axes.get(a, 1) for a in ("dp", "fsdp", "ep", "tp")})
+    mesh = dataclasses.replace(cfg.mesh, pp=1, **{a: axes.get(a, 1) for a in ("dp", "fsdp", "cp", "ep", "tp")})
     train = dataclasses.replace(cfg.train, batch_size=rows * data, compile=False)
     pipeline = dataclasses.replace(cfg.pipeline, microbatches=1, stages=None)
     return dataclasses.replace(cfg, model=model_cfg, mesh=mesh, train=train, pipeline=pipeline)
@@ -103,6 +103,7 @@ def _step(cfg, dtype: torch.dtype):
     arguments ``(params, opt_state, batch)``."""
     from shardfn import models
     from shardfn.core._torch_private import fake_mode
+    from shardfn.partition.context import balanced_batch
     from shardfn.partition.mesh import fake_mesh
     from shardfn.runtime.partitioned import mesh_step
     from shardfn.runtime.train_step import make_optimizer
@@ -115,6 +116,7 @@ def _step(cfg, dtype: torch.dtype):
         optimizer = make_optimizer(cfg.train, model)
         state = optimizer.init(params)
         batch = {"inputs": torch.zeros(b, s, dtype=torch.long), "targets": torch.zeros(b, s, dtype=torch.long)}
+        batch = balanced_batch(batch, cfg.mesh.cp)  # context parallelism: the tokens' positions too
     mesh = fake_mesh(mesh_axes(cfg.mesh.axes(), include_pp=False))
     return mesh_step(cfg, model, optimizer, params, mesh, backend=None), (params, state, batch)
 

@@ -146,6 +146,7 @@ class Shape:
     attn_out: int          # heads x v_head_dim
     top_k: int
     n_experts: int
+    kv_width: int = 0      # K and V elements per token that attention reads (cp gathers them)
 
 
 def model_shape(cfg, layout: Layout) -> Shape:
@@ -188,7 +189,8 @@ def model_shape(cfg, layout: Layout) -> Shape:
                                      experts, leaf.axes[-2], leaf.axes[-1], lper))
     heads, qk, v = model.attention_shape(mcfg)
     return Shape(stacks, mm, norms, local, glob, gathered, embed, head, embed_local, head_local, head_fsdp, mcfg.dim,
-                 mcfg.vocab_size, 3.0 * heads * (qk + v), heads * v, model.experts_per_token(mcfg), n_experts)
+                 mcfg.vocab_size, 3.0 * heads * (qk + v), heads * v, model.experts_per_token(mcfg), n_experts,
+                 model.kv_width(mcfg))
 
 
 # ============================================================================ memory terms
@@ -280,7 +282,7 @@ def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, la
     transient = max(layer_transient, loss_transient)
     allocated = sum(state.values()) + gathered + activations + transient
     reserved = allocated * (1 + ALLOCATOR_FRAGMENTATION)
-    groups = sum(1 for a in ("dp", "fsdp", "ep", "tp", "pp") if getattr(layout, a) > 1)
+    groups = sum(1 for a in ("dp", "fsdp", "cp", "ep", "tp", "pp") if getattr(layout, a) > 1)
     outside = CUDA_CONTEXT_BYTES + NCCL_BYTES_PER_GROUP * groups
     return {"pp_rank": rank, **{f"{k}_bytes": v for k, v in state.items()}, "fsdp_gathered_bytes": gathered,
             "activation_bytes": activations, "activation_bytes_per_token_layer": per_layer,
@@ -379,9 +381,16 @@ def time_terms(shape: Shape, layout: Layout, spec: RunSpec, hw: Hardware, tokens
     exchanges = 6 if spec.remat == "full" else 4
     ep = exchanges * moe_layers * EXPERT_LOAD_IMBALANCE * all_to_all_s(
         hw, eff, tokens_mb * shape.top_k * shape.dim * it, layout.ep, intra["ep"])
-    exposed = compute + exposed_fsdp + tp + ep * (1 - spec.ep_overlap)
+    # cp: each attention layer all-gathers the sequence's K and V in the forward and again in the
+    # backward, and reduce-scatters their gradients (docs/context.md); on the critical path
+    cp = 0.0
+    if layout.cp > 1:
+        kv = tokens_mb * layout.cp * shape.kv_width / layout.tp * it
+        cp = n_layers * (2 * collective_s(hw, eff, "all_gather", kv, layout.cp, intra["cp"])
+                         + collective_s(hw, eff, "reduce_scatter", kv, layout.cp, intra["cp"]))
+    exposed = compute + exposed_fsdp + tp + cp + ep * (1 - spec.ep_overlap)
     return {"matmul_s": matmul, "attention_s": attention, "memory_bound_s": memory_bound, "compute_s": compute,
-            "fsdp_s": fsdp, "fsdp_exposed_s": exposed_fsdp, "tp_s": tp, "ep_s": ep,
+            "fsdp_s": fsdp, "fsdp_exposed_s": exposed_fsdp, "tp_s": tp, "cp_s": cp, "ep_s": ep,
             "ep_exposed_s": ep * (1 - spec.ep_overlap), "microbatch_s": exposed}
 
 
@@ -402,7 +411,7 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
     if rows < 1:
         raise ValueError(f"train.batch_size: {cfg.train.batch_size} leaves no row per microbatch on "
                          f"{layout.data_size} data ranks x {layout.microbatches} microbatches")
-    tokens_mb = rows * seq
+    tokens_mb = rows * seq // layout.cp  # a context-parallel rank holds 1/cp of each sequence
     layers = rank_layers(shape, layout)
     t = time_terms(shape, layout, spec, hw, tokens_mb, seq, layers, eff)
     per_mb = t["microbatch_s"]
@@ -416,12 +425,12 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
     local = sum(n * shape.layer_local[k] for k, n in layers.items()) + shape.head_local
     optimizer = local * ADAMW_BYTES_PER_PARAM / (hw.hbm_bandwidth * eff.hbm)
     dp = 0.0
-    if layout.dp > 1:
-        dp = collective_s(hw, eff, "all_reduce", local * layout.fsdp * spec.reduce_bytes / layout.fsdp, layout.dp,
-                          _intra(layout, hw)["dp"])
+    if layout.dp * layout.cp > 1:  # parameters are replicated over cp too: their gradients are summed over it
+        dp = collective_s(hw, eff, "all_reduce", local * layout.fsdp * spec.reduce_bytes / layout.fsdp,
+                          layout.dp * layout.cp, _intra(layout, hw)["dp"])
     dp_exposed = max(0.0, dp - pipeline * 2 / 3)
     step = pipeline + optimizer + dp_exposed + STEP_OVERHEAD_S
-    tokens_step = tokens_mb * m * layout.data_size
+    tokens_step = tokens_mb * layout.cp * m * layout.data_size
     per_device = tokens_step / step / layout.world_size
     active = sum(shape.stacks[k] * sum(mm.k * mm.n * mm.share for mm in shape.matmuls[k]) for k in shape.stacks)
     model_flops = (6.0 * (active + shape.head) + sum(shape.stacks.values()) * shape.attn_flops_per_token_seq * seq)

@@ -61,6 +61,26 @@ class SearchResult:
         return out
 
 
+LONG_SEQUENCE = 8192
+"""From this ``train.seq_len`` up the search also splits the sequence (``mesh.cp``), ..."""
+
+MIN_CP_TOKENS = 2048
+"""... keeping at least this many tokens of each sequence per context-parallel rank (below
+that, the all-gathered K/V outweighs the activations it saves)."""
+
+
+def cp_options(seq_len: int, ranks: int) -> list[int]:
+    """The context-parallel sizes a search tries with ``ranks`` devices left: 1, and for a long
+    sequence each divisor ``c`` that leaves every rank ``MIN_CP_TOKENS`` or more in ``2c`` equal chunks.
+
+    Example:
+        cp_options(32768, 64)   # [1, 2, 4, 8, 16]
+    """
+    if seq_len < LONG_SEQUENCE:
+        return [1]
+    return [c for c in divisors(ranks) if c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS)]
+
+
 def _mesh_candidates(cfg, gpus: int, max_tp: int) -> list[dict]:
     from shardfn import models
 
@@ -68,9 +88,13 @@ def _mesh_candidates(cfg, gpus: int, max_tp: int) -> list[dict]:
     out = []
     for pp in divisors(gpus):
         for tp in [d for d in divisors(gpus // pp) if d <= max_tp]:
-            for ep in (divisors(gpus // pp // tp) if moe else [1]):
-                for fsdp in divisors(gpus // pp // tp // ep):
-                    out.append({"pp": pp, "dp": gpus // pp // tp // ep // fsdp, "fsdp": fsdp, "ep": ep, "tp": tp})
+            # context parallelism does not compose with pipeline stages yet
+            for cp in (cp_options(cfg.train.seq_len, gpus // pp // tp) if pp == 1 else [1]):
+                rest = gpus // pp // tp // cp
+                for ep in (divisors(rest) if moe else [1]):
+                    for fsdp in divisors(rest // ep):
+                        out.append({"pp": pp, "dp": rest // ep // fsdp, "fsdp": fsdp, "ep": ep, "tp": tp,
+                                    **({"cp": cp} if cp > 1 else {})})
     return out
 
 
@@ -118,7 +142,7 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     model, mcfg = models.get(cfg.model_name), cfg.model
     itemsize = torch.empty((), dtype=dtype).element_size()
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    tokens_mb = rows * cfg.train.seq_len
+    tokens_mb = rows * cfg.train.seq_len // layout.cp
     stages = stage_shares(model, cfg, layout)  # the plan's split (fp32 master weights)
     held_layers, _, _ = inflight(layout, [sum(s.counts.values()) for s in stages])
     input_bytes = tokens_mb * mcfg.dim * itemsize
@@ -145,7 +169,7 @@ def _traced_peak_bound(cfg, layout: Layout, dtype, static: list[dict], leaves: S
     model, mcfg = models.get(cfg.model_name), cfg.model
     run = run_config(cfg, dtype, layout.checkpointing)
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    input_bytes = rows * cfg.train.seq_len * mcfg.dim * torch.empty((), dtype=dtype).element_size()
+    input_bytes = rows * cfg.train.seq_len // layout.cp * mcfg.dim * torch.empty((), dtype=dtype).element_size()
     full = layout.pp == 1 and mcfg.n_layers <= FULL_TRACE_MAX_LAYERS  # as make_plan traces it
     ranks = layout.world_size // layout.pp
     low = saved_profile(run, layout.axes(include_pp=False), rows, full=full, cache=cache)

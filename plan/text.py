@@ -77,7 +77,8 @@ def format_run(run: dict) -> list[str]:
         f"GPU run (estimate: achieved rates of {run['hardware']}, overlap, allocator; plan.runmodel)",
         f"  per microbatch: matmul {t['matmul_s']:.3f} s, attention {t['attention_s']:.3f} s, memory-bound "
         f"{t['memory_bound_s']:.3f} s; exposed fsdp {t['fsdp_exposed_s']:.3f} s of {t['fsdp_s']:.3f}, "
-        f"tp {t['tp_s']:.3f} s, ep {t['ep_exposed_s']:.3f} s",
+        f"tp {t['tp_s']:.3f} s, {'cp ' + format(t['cp_s'], '.3f') + ' s, ' if t.get('cp_s') else ''}"
+        f"ep {t['ep_exposed_s']:.3f} s",
         f"  step {t['step_s']:.3f} s (pipeline {t['pipeline_s']:.3f}, bubble {t['bubble']:.1%}, optimizer "
         f"{t['optimizer_s']:.3f}, dp {t['dp_exposed_s']:.3f}, fixed {t['fixed_s']:.3f}): "
         f"{run['tokens_per_s_per_device']:,.0f} tokens/s per device, MFU {run['mfu']:.1%}",

@@ -489,3 +489,59 @@ def test_plan_carries_the_run_estimate(clean_process_group):
     assert plan.run["time"]["step_s"] == expected["time"]["step_s"] > 0
     assert plan.to_dict()["run"]["memory"]["device_bytes"] == expected["memory"]["device_bytes"]
     assert "GPU run" in pl.format_plan(plan)
+
+
+# ----------------------------------------------------------------------------- context and sequence parallelism
+
+
+def test_plan_models_context_parallelism(clean_process_group):
+    """``Layout(cp=2)``: the run's own step lowered on a cp mesh; its exchange is the all-gather
+    textbook per attention layer, parameter gradients are summed over cp, and one microbatch's
+    activations per rank are about half (the gathered K/V and the loss's per-row statistics are
+    not split); the run model halves the tokens a rank holds and adds the exchange's time."""
+    from shardfn.partition.context import exchange_bytes_per_layer
+
+    cfg = load_config("llama_tiny", ["train.seq_len=4096", "train.batch_size=4"])
+    one, cp2 = pl.make_plan(cfg, Layout()), pl.make_plan(cfg, Layout(cp=2))
+    assert cp2.layout.world_size == 2 and cp2.layout.describe().startswith("pp=1 dp=1 fsdp=1 cp=2 ep=1 tp=1")
+    per_layer = exchange_bytes_per_layer(4, 4096, cfg.model.n_kv_heads * cfg.model.head_dim)
+    rows = {r["op"]: r for r in cp2.comm if r["axis"] == "cp"}
+    assert rows["all_gather"]["bytes"] == cfg.model.n_layers * per_layer["all_gather"]
+    assert rows["reduce_scatter"]["bytes"] == cfg.model.n_layers * per_layer["reduce_scatter"]
+    assert rows["all_reduce"]["bytes"] == cp2.params["total"] * 4 + 2 * 4   # gradients, the loss and its gradient
+    ratio = cp2.per_rank["activation_bytes"] / one.per_rank["activation_bytes"]
+    assert 0.45 < ratio < 0.5
+    assert cp2.run["memory"]["activation_bytes"] == one.run["memory"]["activation_bytes"] / 2
+    assert cp2.run["time"]["cp_s"] > 0 == one.run["time"]["cp_s"]
+
+
+def test_cp_layouts_are_checked_as_a_run_checks_them():
+    with pytest.raises(PlanError, match=r"mesh.cp: 2 with mesh.pp = 2"):
+        pl.check_layout(load_config("llama_tiny", ["train.seq_len=64"]), Layout(pp=2, cp=2, microbatches=2))
+    with pytest.raises(PlanError, match=r"train.seq_len: 30 is not divisible by 2 \* mesh.cp = 4"):
+        pl.check_layout(load_config("llama_tiny", ["train.seq_len=30"]), Layout(cp=2))
+    with pytest.raises(PlanError, match=r"the mesh pp\*dp\*fsdp\*cp\*ep\*tp = 1\*1\*1\*2\*1\*1 = 2 devices"):
+        pl.check_layout(load_config("llama_tiny"), Layout(cp=2), gpus=4)
+
+
+def test_search_splits_long_sequences_over_cp():
+    assert plan_search.cp_options(4096, 8) == [1]   # not a long sequence
+    assert plan_search.cp_options(32768, 64) == [1, 2, 4, 8, 16]   # 2,048 tokens or more per rank
+    meshes = plan_search._mesh_candidates(load_config("llama_tiny", ["train.seq_len=8192"]), 4, 8)
+    with_cp = [m for m in meshes if m.get("cp", 1) > 1]
+    assert {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "tp": 1, "cp": 4} in with_cp
+    assert all(m["pp"] == 1 for m in with_cp)   # not with pipeline stages yet
+    assert not any("cp" in m for m in plan_search._mesh_candidates(load_config("llama_tiny"), 4, 8))
+
+
+def test_plan_of_a_sequence_parallel_run_counts_what_the_run_moves(clean_process_group):
+    """``partition.sequence_parallel`` in the config: the planned step is the run's (the tp
+    all-reduces of activations become reduce-scatters and all-gathers, fewer saved bytes) and
+    the run model holds the residual stream split."""
+    base = ["mesh.tp=2", "train.seq_len=1024", "train.batch_size=4"]
+    tp2 = pl.make_plan(load_config("llama_tiny", base))
+    sp = pl.make_plan(load_config("llama_tiny", [*base, "partition.sequence_parallel=true"]))
+    ops = {r["op"] for r in sp.comm if r["axis"] == "tp" and r["bytes"] >= 4 * 1024 * 64 * 4}
+    assert ops == {"all_gather", "reduce_scatter"}
+    assert sp.per_rank["activation_bytes"] < 0.9 * tp2.per_rank["activation_bytes"]
+    assert sp.run["memory"]["activation_bytes"] < tp2.run["memory"]["activation_bytes"]
