@@ -120,3 +120,13 @@ def positional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _PositionalAttention.apply(q, k, v, q_pos, k_pos, scale)
+
+
+def positional_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                            k_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """``torch.ops.shardfn.positional_attention`` with its arguments as a traced graph calls it,
+    differentiable under ``torch.func`` (what a pipeline stage program calls in its place).
+
+        out = positional_attention_op(q, k, v, pos, pos, 0.25)
+    """
+    return _PositionalAttention.apply(q, k, v, q_pos, k_pos, scale)

@@ -51,10 +51,11 @@ def register_differentiable(op: Any, fn: Callable) -> None:
 def differentiable_ops() -> dict[Any, Callable]:
     """Custom op -> the ``torch.func``-differentiable function a stage program calls instead."""
     from shardfn.core.grouped_mm import grouped_mm
+    from shardfn.core.positional_attention import positional_attention_op
     from shardfn.partition.local_map import call_region
 
     return {torch.ops.shardfn.grouped_mm.default: grouped_mm, torch.ops.shardfn.local_region.default: call_region,
-            **_DIFFERENTIABLE}
+            torch.ops.shardfn.positional_attention.default: positional_attention_op, **_DIFFERENTIABLE}
 
 
 @dataclass

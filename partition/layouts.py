@@ -317,7 +317,7 @@ def check_sequence_parallel(enabled: bool, seq_len: int, axes: Mapping[str, int]
 
 def check_context(model, cfg, axes: Mapping[str, int], rules: Mapping) -> None:
     """Raise :class:`LayoutError` when the sequence split (``mesh.cp``) cannot run ``cfg``: the
-    sequence length against ``2 * cp``, the pipeline (not composed yet) and a model that reads
+    sequence length against ``2 * cp`` and a model that reads
     its tokens in order beyond attention (multi-token prediction).
 
     Example:
@@ -327,9 +327,6 @@ def check_context(model, cfg, axes: Mapping[str, int], rules: Mapping) -> None:
     if split == 1:
         return
     check_seq(cfg.train.seq_len, split)
-    if axes.get("pp", 1) > 1:
-        raise LayoutError("mesh.cp", f"{split} with mesh.pp = {axes['pp']}: context parallelism does not compose "
-                                     f"with pipeline stages yet; use mesh.cp=1 or mesh.pp=1")
     if getattr(cfg.model, "mtp_depth", 0):
         raise LayoutError("mesh.cp", f"{split} with model.mtp_depth = {cfg.model.mtp_depth}: multi-token "
                                      f"prediction shifts the tokens in order; use mesh.cp=1 or model.mtp_depth=0")

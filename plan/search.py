@@ -88,8 +88,7 @@ def _mesh_candidates(cfg, gpus: int, max_tp: int) -> list[dict]:
     out = []
     for pp in divisors(gpus):
         for tp in [d for d in divisors(gpus // pp) if d <= max_tp]:
-            # context parallelism does not compose with pipeline stages yet
-            for cp in (cp_options(cfg.train.seq_len, gpus // pp // tp) if pp == 1 else [1]):
+            for cp in cp_options(cfg.train.seq_len, gpus // pp // tp):
                 rest = gpus // pp // tp // cp
                 for ep in (divisors(rest) if moe else [1]):
                     for fsdp in divisors(rest // ep):

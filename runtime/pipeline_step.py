@@ -27,6 +27,7 @@ It has the contract of a one-device step, ``(params_local, opt_state_local, glob
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from shardfn.core import optim
 from shardfn.core.precision import with_policy
 from shardfn.core.pytree import PyTree, flatten_with_paths, tree_leaves
 from shardfn.partition import report
+from shardfn.partition.context import balanced_batch
 from shardfn.partition.schedules import Schedule, add_communication, get_schedule, stages_per_rank
 from shardfn.partition.spec import P
 from shardfn.partition.stage_programs import StagePrograms, lower_stage
@@ -89,6 +91,7 @@ class PipelineStep:
     recorder: Any = None                # pipeline_experts.Recorder the MoE layers count into
     skip_nonfinite: bool = False        # train.nonfinite=skip: a NaN/Inf step leaves the state as it was
     batch_axes: tuple[str, ...] = ()    # the stage mesh's axes that split the batch
+    seq_axes: tuple[str, ...] = ()      # ... and the sequence (context parallelism: mesh.cp)
     placements: dict = field(default_factory=dict)  # path -> stored placements on the stage mesh
     last_run: RunResult | None = None
     last_grads: dict | None = None
@@ -153,17 +156,23 @@ class PipelineStep:
 
     def microbatches(self, global_batch: dict) -> list[dict[str, torch.Tensor]]:
         """This rank's rows of each microbatch: the global batch cut into ``n_microbatches`` in
-        order, each split over the stage mesh's batch axes as its programs expect."""
+        order, each split over the stage mesh's batch axes (and, under context parallelism, its
+        load-balanced sequence over the sequence axes) as its programs expect."""
+        if self.seq_axes:
+            split = math.prod(self.mesh.axes[a] for a in self.seq_axes)
+            global_batch = balanced_batch(global_batch, split)
         mbs = split_microbatches(global_batch, self.schedule.n_microbatches)
         if self.mesh is None:
             return mbs
         dmesh = self.mesh.device_mesh
-        spec = P(self.batch_axes if len(self.batch_axes) != 1 else self.batch_axes[0]) if self.batch_axes else P()
+        spec = batch_and_seq_spec(self.batch_axes, self.seq_axes)
 
         def rows(t: torch.Tensor) -> torch.Tensor:
             pl = self.mesh.placements(spec, t.ndim, where="a batch leaf")
             shape, offset = private.local_shape_and_offset(t.shape, dmesh, pl)
-            return t.narrow(0, offset[0], shape[0]).contiguous()
+            for d in range(min(t.ndim, 2)):
+                t = t.narrow(d, offset[d], shape[d])
+            return t.contiguous()
 
         return [{p: rows(t) for p, t in mb.items()} for mb in mbs]
 
@@ -395,7 +404,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                        reshard_after_forward: bool = False, compile: bool = False, record: bool = False,
                        model=None, model_cfg=None, experts=None, recorder=None, skip_nonfinite: bool = False,
                        all_stages: bool = False, device=None, remat: str = "none",
-                       sequence_parallel: tuple[str, ...] = ()) -> PipelineStep:
+                       sequence_parallel: tuple[str, ...] = (), seq_axes: tuple[str, ...] = ()) -> PipelineStep:
     """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
 
     Args:
@@ -421,6 +430,8 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
         remat: a ``partition.remat`` policy for every stage's joint (``train.remat``).
         sequence_parallel: the stage mesh's axes for Megatron sequence parallelism (``("tp",)``
             under ``partition.sequence_parallel``).
+        seq_axes: the stage mesh's axes that split the sequence (``("cp",)``: context
+            parallelism; the step load-balances each batch and the model reads ``positions``).
 
     Example:
         step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2, "fsdp": 2}),
@@ -446,9 +457,10 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
     if schedule.n_ranks > 1 and not schedule.has_communication:
         schedule = add_communication(schedule)
     if batch_axes is None:
-        batch_axes = tuple(stage_mesh.dims) if stage_mesh is not None else ()
+        batch_axes = tuple(a for a in stage_mesh.dims if a not in seq_axes) if stage_mesh is not None else ()
     batch_axes = tuple(a for a in batch_axes if stage_mesh is not None and a in stage_mesh.dims)
-    batch = P(batch_axes if len(batch_axes) != 1 else batch_axes[0]) if batch_axes else P()
+    seq_axes = tuple(a for a in seq_axes if stage_mesh is not None and a in stage_mesh.dims)
+    batch = batch_and_seq_spec(batch_axes, seq_axes)
     specs = dict(specs or {})
     all_specs = {p: specs.get(p, P()) for p in pipe.param_specs}
     if device is None:
@@ -469,7 +481,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
     if stage_mesh is not None:
         placements = {p: stage_mesh.placements(all_specs[p], len(spec.shape)) for p, spec in pipe.param_specs.items()}
     step = PipelineStep(layout, run_pipe, schedule, stage_mesh, None, record, model, model_cfg, experts, recorder,
-                        skip_nonfinite, batch_axes, placements)
+                        skip_nonfinite, batch_axes, seq_axes, placements)
     step.optimizer = optimizer(step.grad_norm)
     return step
 
@@ -499,6 +511,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
         param_specs,
         reshard_after_forward,
         resolve_rules,
+        seq_axes,
     )
     from shardfn.partition.local_map import mesh_scope
     from shardfn.partition.stages import build_pipeline
@@ -516,7 +529,8 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     specs = dict(flatten_with_paths(param_specs(model.param_axes(cfg.model), rules, stage_axes),
                                     is_leaf=lambda x: isinstance(x, P)))
     data = batch_axes(rules, stage_axes)
-    batch = P(data if len(data) != 1 else data[0]) if data else P()
+    seq = seq_axes(rules, stage_axes)
+    batch = P(data if len(data) != 1 else data[0]) if data else P()  # the expert region's tokens
     device = tree_flatten(params)[0][0].device
     rows = cfg.train.batch_size // p.microbatches
     tokens = torch.zeros(rows, cfg.train.seq_len, dtype=torch.long, device=device)
@@ -526,14 +540,28 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
                                           batch)
     loss_fn = with_policy(loss_fn, precision_policy(cfg.train))  # stages compute (and send) in its dtype
     with mesh_scope(stage_mesh if stage_mesh.size > 1 else None):
-        pipe = build_pipeline(loss_fn, params, {"inputs": tokens, "targets": tokens}, sched.n_stages, split=())
+        example = {"inputs": tokens, "targets": tokens}
+        if seq:  # context parallelism: the model reads each token's position (load-balanced order)
+            example["positions"] = torch.arange(cfg.train.seq_len, device=device).expand(rows, -1)
+        pipe = build_pipeline(loss_fn, params, example, sched.n_stages, split=())
     return make_pipeline_step(pipe, sched, mesh, lambda norm: make_optimizer(cfg.train, model, norm=norm),
                               specs=specs, batch_axes=data, reshard_after_forward=reshard_after_forward(cfg),
                               compile=cfg.train.compile, record=record, model=model, model_cfg=cfg.model,
                               experts=experts, recorder=recorder, skip_nonfinite=cfg.train.nonfinite == "skip",
                               all_stages=all_stages, device=device, remat=cfg.train.remat,
                               sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in stage_mesh.axes
-                              else ())
+                              else (), seq_axes=seq)
+
+
+def batch_and_seq_spec(batch_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> P:
+    """The spec of a ``[batch, seq, ...]`` value split over ``batch_axes`` and ``seq_axes``.
+
+        batch_and_seq_spec(("dp",), ("cp",))   # P('dp', 'cp')
+    """
+    first = (batch_axes if len(batch_axes) != 1 else batch_axes[0]) if batch_axes else None
+    if not seq_axes:
+        return P(first) if first is not None else P()
+    return P(first, seq_axes if len(seq_axes) != 1 else seq_axes[0])
 
 
 def pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:

@@ -516,8 +516,8 @@ def test_plan_models_context_parallelism(clean_process_group):
 
 
 def test_cp_layouts_are_checked_as_a_run_checks_them():
-    with pytest.raises(PlanError, match=r"mesh.cp: 2 with mesh.pp = 2"):
-        pl.check_layout(load_config("llama_tiny", ["train.seq_len=64"]), Layout(pp=2, cp=2, microbatches=2))
+    with pytest.raises(PlanError, match=r"mesh.cp: 2 with model.mtp_depth = 1"):
+        pl.check_layout(load_config("moe_tiny", ["train.seq_len=64", "model.mtp_depth=1"]), Layout(cp=2))
     with pytest.raises(PlanError, match=r"train.seq_len: 30 is not divisible by 2 \* mesh.cp = 4"):
         pl.check_layout(load_config("llama_tiny", ["train.seq_len=30"]), Layout(cp=2))
     with pytest.raises(PlanError, match=r"the mesh pp\*dp\*fsdp\*cp\*ep\*tp = 1\*1\*1\*2\*1\*1 = 2 devices"):
@@ -530,7 +530,7 @@ def test_search_splits_long_sequences_over_cp():
     meshes = plan_search._mesh_candidates(load_config("llama_tiny", ["train.seq_len=8192"]), 4, 8)
     with_cp = [m for m in meshes if m.get("cp", 1) > 1]
     assert {"pp": 1, "dp": 1, "fsdp": 1, "ep": 1, "tp": 1, "cp": 4} in with_cp
-    assert all(m["pp"] == 1 for m in with_cp)   # not with pipeline stages yet
+    assert {"pp": 2, "dp": 1, "fsdp": 1, "ep": 1, "tp": 1, "cp": 2} in with_cp
     assert not any("cp" in m for m in plan_search._mesh_candidates(load_config("llama_tiny"), 4, 8))
 
 
@@ -545,3 +545,16 @@ def test_plan_of_a_sequence_parallel_run_counts_what_the_run_moves(clean_process
     assert ops == {"all_gather", "reduce_scatter"}
     assert sp.per_rank["activation_bytes"] < 0.9 * tp2.per_rank["activation_bytes"]
     assert sp.run["memory"]["activation_bytes"] < tp2.run["memory"]["activation_bytes"]
+
+
+def test_plan_of_pipeline_stages_over_cp_is_the_runs(clean_process_group):
+    """pp2 x cp2: the planner lowers the run's own stage programs; each rank's K/V exchange is
+    its stage's layers' textbook exchange for each microbatch."""
+    from shardfn.partition.context import exchange_bytes_per_layer
+
+    cfg = load_config("llama_tiny", ["train.seq_len=1024", "train.batch_size=4"])
+    plan = pl.make_plan(cfg, Layout(pp=2, cp=2, microbatches=2), full_trace=False)
+    per_layer = exchange_bytes_per_layer(2, 1024, cfg.model.n_kv_heads * cfg.model.head_dim)
+    for rank in plan.ranks:   # one layer per stage, two microbatches
+        gathers = next(r for r in rank["comm"] if r["op"] == "all_gather" and r["axis"] == "cp")
+        assert gathers["bytes"] == 2 * per_layer["all_gather"]
