@@ -33,7 +33,7 @@ from shardfn.partition.layouts import (
     state_specs,
 )
 from shardfn.partition.remat import remat_pass
-from shardfn.partition.spec import P
+from shardfn.partition.spec import P, entry_axes
 from shardfn.runtime.step import Step, identity_state
 
 
@@ -183,7 +183,9 @@ def expert_region(model, model_cfg, mesh, specs):
     """
     units = model.layout_units(model_cfg)
     batch = specs["batch"]
-    data_axes = tuple(batch.axes()) if len(batch) else ()
+    # the batch dim's axes: the region takes each data rank's tokens whole (gathered over cp,
+    # which splits the sequence: every cp rank of a data rank routes the same tokens)
+    data_axes = tuple(entry_axes(batch[0])) if len(batch) else ()
     if "expert" not in units or not data_axes:
         return None
     from shardfn.core import moe

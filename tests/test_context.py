@@ -14,7 +14,7 @@ from shardfn.core.positional_attention import positional_attention
 from shardfn.partition.context import balanced_batch, exchange_bytes_per_layer, load_balance_order
 from shardfn.partition.errors import LayoutError
 from shardfn.partition.layouts import batch_spec, check_run, check_sequence_parallel, resolve_rules
-from shardfn.runtime.partitioned import full, mesh_from_config, mesh_step
+from shardfn.runtime.partitioned import expert_region, full, mesh_from_config, mesh_step
 from tests.parity import BASE, _grad_fn, assert_matches, reference, setup
 
 
@@ -26,7 +26,7 @@ def context_worker(overrides, config=None):
     mesh = mesh_from_config(cfg)
     step = mesh_step(cfg, model, opt, params, mesh, backend=None)
     specs = step.specs
-    grad_of = _grad_fn(model, cfg)
+    grad_of = _grad_fn(model, cfg, expert_region(model, cfg.model, mesh, specs))
     grad_step = lambda p, b: (lambda lg: (lg[0], sf.constrain(lg[1], specs["params"])))(grad_of(p, b))  # noqa: E731
     grad_fn = sf.jit(grad_step, mesh, in_specs=(specs["params"], specs["batch"]), out_specs=(P(), specs["params"]),
                      fsdp_argnums=(0,) if cfg.mesh.fsdp > 1 else (), backend=None,
@@ -154,6 +154,12 @@ def test_cp2_fsdp2_llama_matches_one_device():
 @pytest.mark.slow
 def test_cp2_moe_mla_matches_one_device():
     assert_matches(run_context(LLAMA_CP2, 2, "moe_tiny"), reference("moe_tiny"))
+
+
+@pytest.mark.slow
+def test_cp2_ep2_moe_matches_one_device():
+    """The routed experts' region takes each data rank's tokens whole (gathered over cp)."""
+    assert_matches(run_context(["mesh.cp=2", "mesh.ep=2"], 4, "moe_tiny"), reference("moe_tiny"))
 
 
 @pytest.mark.slow
