@@ -198,6 +198,9 @@ class PartitionConfig:
     # Megatron sequence parallelism over tp: between the matmul blocks the residual stream and the
     # norms hold 1/tp of the tokens (reduce-scatter after a block, all-gather before the next)
     sequence_parallel: bool = False
+    # the MoE exchange in this many token groups: one group's all-to-all in flight while the
+    # experts run on another's (1: one exchange each way, only the shared experts overlap it)
+    ep_chunks: int = 1
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):
@@ -210,6 +213,8 @@ class PartitionConfig:
             self.bucket_bytes = parse_bytes(self.bucket_bytes, "partition.bucket_bytes")
         _check(self.bucket_bytes is None or self.bucket_bytes >= 0, "partition.bucket_bytes",
                "must be >= 0 or null (0 or null: no bucketing)", self.bucket_bytes)
+        _check(isinstance(self.ep_chunks, int) and self.ep_chunks >= 1, "partition.ep_chunks",
+               "must be an integer >= 1 (1: no chunking)", self.ep_chunks)
         _check(self.memory_budget is None or self.memory_budget > 0, "partition.memory_budget",
                "must be > 0 or null", self.memory_budget)
         _check(self.reshard_after_forward in (None, True, False), "partition.reshard_after_forward",

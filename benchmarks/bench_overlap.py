@@ -8,6 +8,8 @@ pair of measurements (the order rotates from pair to pair), on the same inputs e
   (ep2) the MoE layer's shared experts computed after the routed ones;
 - ``after``: ``partition.overlap`` on (``partition/overlap.py``), and (ep2) the shared experts
   handed to the expert exchange, computed while its dispatch is in flight;
+- ``after_chunked`` (ep2): ``after`` with ``partition.ep_chunks=2``: the tokens exchanged in two
+  groups, one group's all-to-all in flight while the experts run on the other's;
 - ``compute``: the ``before`` program with every collective replaced by the result it gave in
   one real run (a buffer; the MoE exchange's all-to-alls copy what they received then), so only
   its compute runs, on the same values as the real step.
@@ -198,6 +200,10 @@ def _worker(layouts, pairs, warmup, backend):
         variants = {"before": (_compiled(before[0], backend), *before[1:]),
                     "after": (_compiled(after[0], backend), *after[1:]),
                     "compute": (_compiled(compute, backend), *before[1:])}
+        if any(o.startswith("mesh.ep=") for o in overrides):
+            chunked = _step_program([*overrides, "partition.overlap=true", "partition.ep_chunks=2"],
+                                    old_moe_order=False)
+            variants["after_chunked"] = (_compiled(chunked[0], backend), *chunked[1:])
         if backend == "inductor":  # inductor's own reordering of the unscheduled program
             variants["inductor_reorder"] = (_compiled(before[0], backend, reorder_for_compute_comm_overlap=True),
                                             *before[1:])

@@ -42,15 +42,25 @@ from shardfn.core.registry import Registry
 
 @dataclass
 class _Saved:
-    x_shape: tuple
-    tok: torch.Tensor          # [A] int64: source token of each kept assignment, expert-sorted
+    """What one chunk of a layer's tokens keeps for the backward."""
+
+    rows: slice                # the chunk's tokens among the rank's [T] (the layer's whole range unchunked)
+    tok: torch.Tensor          # [A] int64: source token (within the chunk) of each kept assignment, expert-sorted
     keep_pos: torch.Tensor     # [A] int64: flat assignment index (t * k + j) of each kept one
     in_splits: list[int]       # rows sent to each rank
     out_splits: list[int]      # rows received from each rank
     perm: torch.Tensor         # [R] received row -> expert-major row
     offs: torch.Tensor         # [E_local] int32 cumulative rows per local expert
     xs: torch.Tensor           # [R, D] expert inputs, expert-major
-    y_assign: torch.Tensor     # [T * k, D] expert output per assignment (0 where dropped)
+    y_assign: torch.Tensor     # [t * k, D] expert output per assignment (0 where dropped)
+
+
+@dataclass
+class _Layer:
+    """What one layer call keeps for its backward: its chunks, and the shared experts' input."""
+
+    x_shape: tuple
+    chunks: list
     weights: torch.Tensor      # [T, k]
     group: object
     layer: int
@@ -122,14 +132,12 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *,
     return (out, work) if async_op else out
 
 
-def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_factor: float = 0.0,
-               shared=None, *, exchange: Exchange):
-    """Eager EP forward on this rank's tokens, recorded in ``exchange``. Returns
-    ``(y [T, D], handle, dropped)``."""
-    T, D = x.shape
-    k = idx.shape[1]
+def _route(x, idx, n_experts: int, capacity_factor: float, group):
+    """This rank's assignments sorted by expert (capacity applied) and the exchange's splits:
+    ``(order, tok, send, in_splits, out_splits, recv_counts, dropped)``; the per-expert counts
+    are exchanged here (one small all-to-all)."""
+    T, k = idx.shape
     n = dist.get_world_size(group)
-    me = dist.get_rank(group)
     e_local = n_experts // n
     flat_e = idx.reshape(-1)
     order = torch.argsort(flat_e, stable=True)                   # [T*k] assignments by expert
@@ -150,56 +158,109 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)     # [n*E_local]: from s for my e
     recv_counts = recv_counts.view(n, e_local)
-    out_splits = recv_counts.sum(1).tolist()
+    return order, tok, send, in_splits, recv_counts.sum(1).tolist(), recv_counts, dropped
+
+
+def _chunk_rows(T: int, chunks: int) -> list[slice]:
+    """``chunks`` contiguous ranges of ``T`` tokens (as equal as they come; empty ones left out)."""
+    bounds = [T * c // chunks for c in range(chunks + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [slice(0, T)]
+
+
+def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_factor: float = 0.0,
+               shared=None, *, exchange: Exchange, chunks: int = 1):
+    """Eager EP forward on this rank's tokens, recorded in ``exchange``. Returns
+    ``(y [T, D], handle, dropped)``.
+
+    The shared experts run while the dispatch is in flight. With ``chunks > 1`` the tokens are
+    cut into that many groups, each routed and exchanged on its own: every dispatch is issued at
+    once, and while a later chunk's tokens are still travelling the experts run on an earlier
+    chunk's, whose combine then travels behind the next chunk's expert compute (capacity, if
+    any, applies per chunk)."""
+    T, D = x.shape
+    k = idx.shape[1]
+    n = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    e_local = n_experts // n
     layer = exchange.next_layer()
-    exchange._record(layer, "dispatch", send, in_splits, me, group, assignments=T * k, dropped=dropped)
-    recv, work = _a2a(send, out_splits, in_splits, group, async_op=True)
+    parts, dropped = [], 0
+    for rows in _chunk_rows(T, chunks):
+        order, tok, send, in_splits, out_splits, recv_counts, d = _route(
+            x[rows], idx[rows], n_experts, capacity_factor, group)
+        dropped += d
+        parts.append([rows, order, tok, send, in_splits, out_splits, recv_counts])
+        exchange._record(layer, "dispatch", send, in_splits, me, group, assignments=(rows.stop - rows.start) * k,
+                         dropped=d)
+    pending = [_a2a(send, out_splits, in_splits, group, async_op=True)
+               for rows, order, tok, send, in_splits, out_splits, recv_counts in parts]
     y_shared = _swiglu(x, *shared) if shared is not None else None  # overlaps the exchange
-    work.wait()
-    expert_of_row = torch.arange(e_local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
-    perm = torch.argsort(expert_of_row, stable=True)             # received -> expert-major
-    offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
-    xs = recv[perm]
-    out = _expert_ffn(xs, offs, w1, w2, w3)
-    back_src = torch.empty_like(out)
-    back_src[perm] = out
-    exchange._record(layer, "combine", back_src, out_splits, me, group)
-    back = _a2a(back_src, in_splits, out_splits, group)          # [A, D] in `order` order
+    combines, saved = [], []
+    for (rows, order, tok, send, in_splits, out_splits, recv_counts), (recv, work) in zip(parts, pending):
+        work.wait()
+        expert_of_row = torch.arange(e_local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
+        perm = torch.argsort(expert_of_row, stable=True)         # received -> expert-major
+        offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
+        xs = recv[perm]
+        out = _expert_ffn(xs, offs, w1, w2, w3)                  # overlaps the earlier chunks' combines
+        back_src = torch.empty_like(out)
+        back_src[perm] = out
+        exchange._record(layer, "combine", back_src, out_splits, me, group)
+        combines.append(_a2a(back_src, in_splits, out_splits, group, async_op=True))
+        saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs])
     y_assign = x.new_zeros((T * k, D))
-    y_assign[order] = back
+    for (back, work), (rows, tok, order, *rest) in zip(combines, saved):
+        work.wait()
+        part = y_assign[rows.start * k:rows.stop * k]            # [A, D] back in `order` order
+        part[order] = back
     y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
     if y_shared is not None:
         y = y + y_shared
-    handle = exchange.keep(_Saved((T, D), tok, order, in_splits, out_splits, perm, offs, xs, y_assign, weights, group,
-                                  layer, x if shared is not None else None))
+    chunk_saved = [_Saved(rows, tok, order, in_splits, out_splits, perm, offs, xs,
+                          y_assign[rows.start * k:rows.stop * k])
+                   for rows, tok, order, in_splits, out_splits, perm, offs, xs in saved]
+    handle = exchange.keep(_Layer((T, D), chunk_saved, weights, group, layer, x if shared is not None else None))
     return y, handle, dropped
 
 
 def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Exchange):
-    """Cotangents ``(dx, dweights, dw1, dw2, dw3[, ds1, ds2, ds3])`` of ``ep_forward``."""
+    """Cotangents ``(dx, dweights, dw1, dw2, dw3[, ds1, ds2, ds3])`` of ``ep_forward``, chunk by
+    chunk as the forward ran: every output cotangent sent at once, the shared experts'
+    backward behind them, each chunk's expert backward behind the later chunks' exchanges."""
     s = exchange.saved.pop(handle)
     T, D = s.x_shape
     k = s.weights.shape[1]
     me = dist.get_rank(s.group)
     d_assign = (grad_y.unsqueeze(1) * s.weights.unsqueeze(-1)).reshape(T * k, D)
-    dweights = (s.y_assign.view(T, k, D) * grad_y.unsqueeze(1)).sum(-1)
-    d_send = d_assign[s.keep_pos]
-    exchange._record(s.layer, "dispatch_grad", d_send, s.in_splits, me, s.group)
-    d_recv = _a2a(d_send, s.out_splits, s.in_splits, s.group)
-    d_out = d_recv[s.perm]
-    _, pullback = torch.func.vjp(lambda xs, a, b, c: _expert_ffn(xs, s.offs, a, b, c), s.xs, w1, w2, w3)
-    dxs, dw1, dw2, dw3 = pullback(d_out)
-    d_back = torch.empty_like(dxs)
-    d_back[s.perm] = dxs
-    exchange._record(s.layer, "combine_grad", d_back, s.out_splits, me, s.group)
-    d_src = _a2a(d_back, s.in_splits, s.out_splits, s.group)
+    y_assign = torch.cat([c.y_assign for c in s.chunks]) if len(s.chunks) > 1 else s.chunks[0].y_assign
+    dweights = (y_assign.view(T, k, D) * grad_y.unsqueeze(1)).sum(-1)
+    pending = []
+    for c in s.chunks:
+        d_send = d_assign[c.rows.start * k:c.rows.stop * k][c.keep_pos]
+        exchange._record(s.layer, "dispatch_grad", d_send, c.in_splits, me, s.group)
+        pending.append(_a2a(d_send, c.out_splits, c.in_splits, s.group, async_op=True))
+    shared_grads = None
+    if shared is not None:  # overlaps the exchange
+        _, pull_shared = torch.func.vjp(_swiglu, s.x, *shared)
+        shared_grads = pull_shared(grad_y)
+    dw, combines = None, []
+    for c, (d_recv, work) in zip(s.chunks, pending):
+        work.wait()
+        d_out = d_recv[c.perm]
+        _, pullback = torch.func.vjp(lambda xs, a, b, w: _expert_ffn(xs, c.offs, a, b, w), c.xs, w1, w2, w3)
+        dxs, *dw_c = pullback(d_out)
+        dw = dw_c if dw is None else [a + b for a, b in zip(dw, dw_c)]
+        d_back = torch.empty_like(dxs)
+        d_back[c.perm] = dxs
+        exchange._record(s.layer, "combine_grad", d_back, c.out_splits, me, s.group)
+        combines.append(_a2a(d_back, c.in_splits, c.out_splits, s.group, async_op=True))
     dx = torch.zeros((T, D), dtype=grad_y.dtype)
-    dx.index_add_(0, s.tok, d_src)
-    if shared is None:
-        return dx, dweights, dw1, dw2, dw3
-    _, pull_shared = torch.func.vjp(_swiglu, s.x, *shared)
-    dxs_shared, ds1, ds2, ds3 = pull_shared(grad_y)
-    return dx + dxs_shared, dweights, dw1, dw2, dw3, ds1, ds2, ds3
+    for c, (d_src, work) in zip(s.chunks, combines):
+        work.wait()
+        dx.index_add_(0, c.tok + c.rows.start, d_src)
+    if shared_grads is None:
+        return (dx, dweights, *dw)
+    dxs_shared, ds1, ds2, ds3 = shared_grads
+    return dx + dxs_shared, dweights, *dw, ds1, ds2, ds3
 
 
 # --- the two opaque ops the compiled per-rank program calls -------------------------------
@@ -210,17 +271,17 @@ def _ep_experts(
     x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
     s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor],
-    group_name: str, n_experts: int, capacity_factor: float, exchange: int,
+    group_name: str, n_experts: int, capacity_factor: float, exchange: int, chunks: int = 1,
 ) -> List[torch.Tensor]:
     group = _group(group_name)
     shared = (s1, s2, s3) if s1 is not None else None
     y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor, shared,
-                                    exchange=_exchanges[exchange])
+                                    exchange=_exchanges[exchange], chunks=chunks)
     return [y, torch.tensor([handle, dropped], dtype=torch.int64)]
 
 
 @_ep_experts.register_fake
-def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange):
+def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange, chunks=1):
     return [torch.empty_like(x), torch.empty(2, dtype=torch.int64)]
 
 
@@ -262,14 +323,16 @@ class ExpertRegion:
     experts' SwiGLU weights ``s1 [D, Hs], s2 [Hs, D], s3 [D, Hs]`` come last and their output is
     added, computed while the dispatch exchange is in flight. The exchange runs in the runtime
     (``ep_forward``/``ep_backward``), once forward and once backward; :attr:`exchange` records it,
-    and :attr:`takes_shared` tells the model layer to hand the shared experts over.
+    and :attr:`takes_shared` tells the model layer to hand the shared experts over. ``chunks``:
+    the tokens are exchanged in that many groups, one's exchange behind another's expert compute
+    (``partition.ep_chunks``).
 
         routed = ExpertRegion(mesh, ("ep",), "ep", 8)
         y = routed(x, idx, weights, w1, w2, w3)
     """
 
     def __init__(self, mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
-                 capacity_factor: float = 0.0, shared: bool = False):
+                 capacity_factor: float = 0.0, shared: bool = False, chunks: int = 1):
         from shardfn.partition.layouts import check_divides
         from shardfn.partition.local_map import local_map
         from shardfn.partition.spec import P
@@ -284,7 +347,8 @@ class ExpertRegion:
         def forward(x, idx, weights, w1, w2, w3, *s):
             s1, s2, s3 = s if s else (None, None, None)
             return tuple(torch.ops.shardfn.ep_experts(
-                x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange))
+                x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange,
+                chunks))
 
         def backward(inputs, outputs, cotangents):
             x, idx, weights, w1, w2, w3, *s = inputs

@@ -94,6 +94,8 @@ def test_bad_values_name_key_and_requirement(tmp_path):
         C.load_config(path, ["train.b2=1.0"])
     with pytest.raises(ValueError, match=r"mesh\.tp must be >= 1"):
         C.load_config(path, ["mesh.tp=0"])
+    with pytest.raises(ValueError, match=r"partition\.ep_chunks must be an integer >= 1"):
+        C.load_config(path, ["partition.ep_chunks=0"])
     with pytest.raises(ValueError, match=r"rules\.heads: unknown mesh axis 'xp'"):
         C.load_config(path, ["rules.heads=xp"])
     with pytest.raises(ValueError, match=r"train\.compile must be false, true, regional or whole, got .3."):

@@ -124,7 +124,7 @@ def test_expert_parallel_matches_naive_loop(routing, ep, dp):
         assert a2a == [{"op": "all_to_all", "axis": "ep", "layer": 0, "bytes": 2 * (sent + returned), "count": 4}]
 
 
-def _shared_capacity_worker(capacity_factor):
+def _shared_capacity_worker(capacity_factor, chunks=1):
     ROUTING[0] = "random"
     mesh = sf.Mesh({"ep": 2})
     x, w_router, experts = make_inputs("random")
@@ -134,7 +134,8 @@ def _shared_capacity_worker(capacity_factor):
         torch.randn(H, D, generator=g) * 0.2,
         torch.randn(D, H, generator=g) * 0.2,
     ]
-    routed = moe_dispatch.ExpertRegion(mesh, ("ep",), "ep", E, capacity_factor=capacity_factor, shared=True)
+    routed = moe_dispatch.ExpertRegion(mesh, ("ep",), "ep", E, capacity_factor=capacity_factor, shared=True,
+                                       chunks=chunks)
 
     def loss(params, x):
         idx, weights = route_static(x, params["router"])
@@ -197,3 +198,23 @@ def test_capacity_drop_rate_equals_direct_count():
         assert expected > 0
         row = out["stats"][0]
         assert row["dropped"] == expected and row["assignments"] == n_tok * K
+
+
+def test_chunked_exchange_matches_the_reference_and_moves_the_same_bytes():
+    """``chunks=3`` (12 tokens per rank: 4 each): every chunk's dispatch is issued before any
+    expert runs, each combine after its chunk's experts; the loss and gradients are the
+    reference's, and each phase moves the unchunked exchange's bytes in three parts."""
+    x, _, _ = make_inputs("random")
+    whole = spawn(_shared_capacity_worker, 2, args=(0.0, 1), timeout_s=120)
+    chunked = spawn(_shared_capacity_worker, 2, args=(0.0, 3), timeout_s=120)
+    ref_loss, ref_grads = _shared_reference(chunked[0]["params"], x)
+    torch.testing.assert_close(chunked[0]["loss"], ref_loss, rtol=1e-5, atol=1e-6)
+    for k in ref_grads:
+        torch.testing.assert_close(chunked[0]["grads"][k], ref_grads[k], rtol=1e-5, atol=1e-6)
+    for one, three in zip(whole, chunked):
+        phases = [r["phase"] for r in three["stats"]]
+        assert phases == ["dispatch"] * 3 + ["combine"] * 3 + ["dispatch_grad"] * 3 + ["combine_grad"] * 3
+        for phase in ("dispatch", "combine", "dispatch_grad", "combine_grad"):
+            assert sum(r["bytes"] for r in three["stats"] if r["phase"] == phase) == \
+                sum(r["bytes"] for r in one["stats"] if r["phase"] == phase)
+        assert [r["assignments"] for r in three["stats"][:3]] == [4 * K] * 3
