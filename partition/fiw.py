@@ -30,6 +30,7 @@ from shardfn.partition.fx import (
     moves_no_bytes,
     node_val,
     output_nodes,
+    stack_layer_grads,
 )
 
 _DIFFERENTIABLE: dict[Any, Callable] = {}
@@ -148,57 +149,6 @@ def _data_spec(stage, path: str) -> torch.Tensor:
     """The traced value of the stage's batch input ``path`` (its shape and dtype)."""
     ph = next(n for n in stage.forward.graph.nodes if n.op == "placeholder" and n.target == identifier(f"data:{path}"))
     return node_val(ph)
-
-
-def stack_layer_grads(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> list[fx.Node]:
-    """Rewrite each output that sums ``select_backward(g_i, [k, ...], 0, i)`` over every layer
-    ``i < k`` into one ``stack([g_0, ..., g_{k-1}])``: the gradient of a stacked slice no longer
-    materialises a zero ``[k, ...]`` tensor per layer. Returns the (possibly new) outputs.
-
-        dparams = stack_layer_grads(joint, dparams)
-        # add(select_backward(g1, .., 1), select_backward(g0, .., 0)) -> stack([g0, g1])
-    """
-    out = []
-    for node in outputs:
-        leaves = _add_tree(node)
-        sb = torch.ops.aten.select_backward.default
-        sizes = {tuple(leaf.args[1]) for leaf in leaves if leaf.target is sb and leaf.args[2] == 0} if leaves else set()
-        if not leaves or len(sizes) != 1 or any(leaf.target is not sb or leaf.args[2] != 0 for leaf in leaves):
-            out.append(node)
-            continue
-        k = sizes.pop()[0]
-        by_layer: dict[int, list[fx.Node]] = {}
-        for leaf in leaves:
-            by_layer.setdefault(leaf.args[3] % k, []).append(leaf.args[0])
-        if sorted(by_layer) != list(range(k)):
-            out.append(node)
-            continue
-        with gm.graph.inserting_after(node):
-            parts = []
-            for i in range(k):
-                g = by_layer[i][0]
-                for extra in by_layer[i][1:]:
-                    g = gm.graph.call_function(torch.ops.aten.add.Tensor, (g, extra))
-                parts.append(g)
-            stacked = gm.graph.call_function(torch.ops.aten.stack.default, (parts, 0))
-        stacked.meta["val"] = node.meta.get("val")
-        node.replace_all_uses_with(stacked)
-        out.append(stacked)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return out
-
-
-def _add_tree(node: fx.Node) -> list[fx.Node]:
-    """The summands of a tree of ``aten.add.Tensor`` nodes rooted at ``node`` (``[node]`` if it is not an add)."""
-    if node.target is not torch.ops.aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
-        return [node]
-    leaves = []
-    for a in node.args:
-        if not isinstance(a, fx.Node):
-            return []
-        leaves += _add_tree(a) if len(a.users) == 1 else [a]
-    return leaves
 
 
 def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") -> tuple[fx.GraphModule, list[str]]:

@@ -126,3 +126,72 @@ def identifier(name: str) -> str:
     """``name`` as a valid Python identifier (a placeholder's name)."""
     out = "".join(c if c.isalnum() else "_" for c in name)
     return out if out and not out[0].isdigit() else f"v_{out}"
+
+
+def stack_layer_grads(gm: fx.GraphModule, outputs: Sequence[fx.Node]) -> list[fx.Node]:
+    """Rewrite each output that sums ``select_backward(g_i, [k, ...], 0, i)`` over every layer
+    ``i < k`` into one ``stack([g_0, ..., g_{k-1}])``: the gradient of a stacked slice no longer
+    materialises a zero ``[k, ...]`` tensor per layer. Returns the (possibly new) outputs.
+
+        dparams = stack_layer_grads(joint, dparams)
+        # add(select_backward(g1, .., 1), select_backward(g0, .., 0)) -> stack([g0, g1])
+    """
+    out = []
+    for node in outputs:
+        leaves = _add_tree(node)
+        sb = torch.ops.aten.select_backward.default
+        sizes = {tuple(leaf.args[1]) for leaf in leaves if leaf.target is sb and leaf.args[2] == 0} if leaves else set()
+        if not leaves or len(sizes) != 1 or any(leaf.target is not sb or leaf.args[2] != 0 for leaf in leaves):
+            out.append(node)
+            continue
+        k = sizes.pop()[0]
+        by_layer: dict[int, list[fx.Node]] = {}
+        for leaf in leaves:
+            by_layer.setdefault(leaf.args[3] % k, []).append(leaf.args[0])
+        if sorted(by_layer) != list(range(k)):
+            out.append(node)
+            continue
+        with gm.graph.inserting_after(node):
+            parts = []
+            for i in range(k):
+                g = by_layer[i][0]
+                for extra in by_layer[i][1:]:
+                    g = gm.graph.call_function(torch.ops.aten.add.Tensor, (g, extra))
+                parts.append(g)
+            stacked = gm.graph.call_function(torch.ops.aten.stack.default, (parts, 0))
+        stacked.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(stacked)
+        out.append(stacked)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return out
+
+
+def _add_tree(node: fx.Node) -> list[fx.Node]:
+    """The summands of a tree of ``aten.add.Tensor`` nodes rooted at ``node`` (``[node]`` if it is not an add)."""
+    if node.target is not torch.ops.aten.add.Tensor or node.kwargs.get("alpha", 1) != 1:
+        return [node]
+    leaves = []
+    for a in node.args:
+        if not isinstance(a, fx.Node):
+            return []
+        leaves += _add_tree(a) if len(a.users) == 1 else [a]
+    return leaves
+
+
+def stack_gradients(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every gradient of a stacked parameter that the backward sums from per-layer
+    ``select_backward`` s built by one ``stack`` instead (:func:`stack_layer_grads`), wherever it
+    is used (the optimizer of a train step): no zero-filled ``[k, ...]`` tensor per layer, the
+    same values and the same collectives after partitioning.
+
+        gm = stack_gradients(traced.graph_module)
+    """
+    sb = torch.ops.aten.select_backward.default
+    add = torch.ops.aten.add.Tensor
+    roots = [n for n in gm.graph.nodes
+             if n.target is add and not any(u.target is add for u in n.users)
+             and (leaves := _add_tree(n)) and all(leaf.target is sb for leaf in leaves)]
+    if roots:
+        stack_layer_grads(gm, roots)
+    return gm

@@ -1,7 +1,9 @@
 """Trace: one joint FX graph (forward, backward and optimizer) of a pure function of pytrees.
 
 The graph is traced at *global* shapes with fake tensors, so nothing is computed or allocated;
-placements are attached later by propagation.
+placements are attached later by propagation. The gradient of a stacked parameter is built by one
+``stack`` of its per-layer parts (``partition.fx.stack_gradients``), not summed from zero-filled
+``select_backward`` s.
 
     traced = trace(train_step, (params, opt_state, batch))
     print(traced.graph_module.graph)
@@ -18,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.constrain import tracing_scope
+from shardfn.partition.fx import stack_gradients
 from shardfn.partition.local_map import collecting_regions
 
 
@@ -67,6 +70,7 @@ def trace(fn: Callable, args: tuple) -> Traced:
         seen.add(id(x))
     with collecting_regions() as regions:
         gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*distinct)
+    gm = stack_gradients(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     in_meta = [n.meta["val"] for n in placeholders]

@@ -99,8 +99,9 @@ class Problem(Candidates):
     def _colours(self) -> list[int]:
         users: list[list[tuple[int, int]]] = [[] for _ in self.nodes]
         for i in range(len(self.nodes)):
+            stacked = self.nodes[i].target is aten.stack.default  # a stacked gradient: its parts are alike
             for k, j in enumerate(self.inputs[i]):
-                users[j].append((i, k))
+                users[j].append((i, 0 if stacked else k))
         for k, a in enumerate(_node_args(self.output)):
             users[self.index[a]].append((-1, k))
         colour = [hash(_base_colour(n, self.val[i])) for i, n in enumerate(self.nodes)]
