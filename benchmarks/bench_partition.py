@@ -14,7 +14,7 @@ Every timed comparison alternates the two sides in pairs (the order flips every 
 side its own previous step's outputs, runs one compute thread per process, and reports the
 median of the per-pair ratios, so load that comes and goes hits both sides of a pair alike.
 
-    python benchmarks/bench_partition.py [--out benchmarks/results/bench_partition.json] [--quick]
+    python benchmarks/bench_partition.py [--out benchmarks/results/bench_partition.json] [--quick] [--parts b]
 """
 
 from __future__ import annotations
@@ -213,26 +213,31 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/bench_partition.json")
     parser.add_argument("--steps", type=int, default=20, help="alternated pairs per comparison")
     parser.add_argument("--quick", action="store_true", help="fewer steps and layer counts (smoke run)")
+    parser.add_argument("--parts", default="a,b,c", help="which comparisons to run (a, b, c: see above)")
     args = parser.parse_args()
     steps = 3 if args.quick else args.steps
+    parts = set(args.parts.split(","))
     from shardfn.runtime.launch import spawn
 
-    result = {"one_rank": one_rank(steps)}
-    print(f"(a) 1 rank   partitioned/plain compile = {result['one_rank']['ratio']:.3f}x  (target <= 1.05)")
+    result = {}
+    if "a" in parts:
+        result["one_rank"] = one_rank(steps)
+        print(f"(a) 1 rank   partitioned/plain compile = {result['one_rank']['ratio']:.3f}x  (target <= 1.05)")
     torch_side = {"dp": "DistributedDataParallel", "fsdp": "fully_shard"}
-    for layout in ("dp", "fsdp"):
+    for layout in (("dp", "fsdp") if "b" in parts else ()):
         r = spawn(_layout_worker, 2, args=(layout, steps), timeout_s=900)[0]
         result[f"{layout}2"] = r
         print(f"(b) {layout}2 vs {torch_side[layout]}: {r['ratio']:.3f}x  ({r['shardfn_s']*1e3:.1f} ms vs "
               f"{r['torch_s']*1e3:.1f} ms, median of {r['pairs']} alternated pairs; target <= 1.0)")
-    counts = [2, 4, 8] if args.quick else [2, 4, 8, 16, 32]
-    rows = lowering_times(counts)
-    result["lowering"] = rows
-    result["lowering_growth"] = rows[-1]["lower_s"] / rows[0]["lower_s"] / (counts[-1] / counts[0])
-    for r in rows:
-        print(f"(c) {r['n_layers']:>2} layers: lower {r['lower_s']:.2f} s ({r['nodes']} nodes)")
-    print(f"(c) time growth / layer growth, {counts[0]}->{counts[-1]}: {result['lowering_growth']:.2f} (<= 1: at most "
-          f"linear)")
+    if "c" in parts:
+        counts = [2, 4, 8] if args.quick else [2, 4, 8, 16, 32]
+        rows = lowering_times(counts)
+        result["lowering"] = rows
+        result["lowering_growth"] = rows[-1]["lower_s"] / rows[0]["lower_s"] / (counts[-1] / counts[0])
+        for r in rows:
+            print(f"(c) {r['n_layers']:>2} layers: lower {r['lower_s']:.2f} s ({r['nodes']} nodes)")
+        print(f"(c) time growth / layer growth, {counts[0]}->{counts[-1]}: {result['lowering_growth']:.2f} "
+              f"(<= 1: at most linear)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
