@@ -86,15 +86,23 @@ class CostModel:
     Args:
         mesh_shape: sizes of the mesh dims, major to minor.
         hardware: a :class:`~shardfn.partition.hardware.Hardware`.
+        device_mesh: the ``DeviceMesh``; with it, a transition is priced step by step as
+            DTensor's ``redistribute`` plans it (a dim split over two mesh dims is regathered when
+            its order changes); without it, by the per-dim rule of :meth:`_transition_by_rule`.
+        gathers_for_all_to_all: price Shard -> Shard as the all-gather DTensor issues instead of
+            an all-to-all on a CPU (gloo) mesh.
 
     Example:
         model = CostModel((8, 8), load_hardware("h100"))
         model.intra_node     # (False, True): the minor axis of 8 stays inside a node
     """
 
-    def __init__(self, mesh_shape: Sequence[int], hardware: Hardware):
+    def __init__(self, mesh_shape: Sequence[int], hardware: Hardware, device_mesh=None,
+                 gathers_for_all_to_all: bool = False):
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.hardware = hardware
+        self.device_mesh = device_mesh
+        self.gathers_for_all_to_all = gathers_for_all_to_all
         intra = []
         span = 1
         for size in reversed(self.mesh_shape):
@@ -173,6 +181,37 @@ class CostModel:
         return hit
 
     def _transition(self, val, src, dst) -> Transition:
+        if any(isinstance(a, Partial) and isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+            return Transition(INFEASIBLE, 0.0, ())
+        if self.device_mesh is None:
+            return self._transition_by_rule(val, src, dst)
+        comm = reshard = 0.0
+        done = []
+        for d, a, b, logical in private.redistribute_steps(self.device_mesh, val.shape, val.dtype, src, dst):
+            size = nbytes(logical, val.dtype)  # the value at this mesh dim, the dims before it applied
+            if a.is_partial():
+                kind = "reduce_scatter" if b.is_shard() or private.strided_shard(b) else "all_reduce"
+                comm += self.collective(kind, size, d)
+                done.append((kind, d, size))
+            elif b.is_partial() or b.is_replicate():
+                if a.is_replicate():  # R -> P: the value on one rank, zeros elsewhere (a memory pass)
+                    reshard += size / self.hardware.hbm_bandwidth
+                    continue
+                reshard += self.collective("all_gather", size, d)
+                done.append(("all_gather", d, size))
+            elif a.is_replicate():
+                continue  # R -> S: a local slice
+            elif self.gathers_for_all_to_all:
+                reshard += self.collective("all_gather", size, d)
+                done.append(("all_gather", d, size))
+            else:
+                size //= self.mesh_shape[d]  # what one rank sends
+                reshard += self.collective("all_to_all", size, d)
+                done.append(("all_to_all", d, size))
+        return Transition(comm, reshard, tuple(done))
+
+    def _transition_by_rule(self, val, src, dst) -> Transition:
+        """Without a device mesh: each mesh dim on its own, in the order DTensor mostly uses."""
         shape = local_shape(val.shape, src, self.mesh_shape)
         steps = []  # (order, mesh_dim, kind)
         for d, (a, b) in enumerate(zip(src, dst)):

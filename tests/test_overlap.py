@@ -135,15 +135,29 @@ def test_moe_layer_hands_its_shared_experts_to_the_exchange(clean_process_group)
 # ----------------------------------------------------------------------------- 2 gloo ranks
 
 
+class _RecordedWait:
+    def __init__(self, work, events):
+        self.work, self.events = work, events
+
+    def wait(self):
+        self.events.append("arrived")
+        return self.work.wait()
+
+
 def _order_of_exchange_and_shared():
-    """Records the order of the exchange's all-to-alls and the shared experts' SwiGLU."""
+    """Records the order of the exchange's all-to-alls (issued, waited on) and the shared
+    experts' SwiGLU."""
     from shardfn.runtime import moe_dispatch
 
     events, a2a, swiglu = [], moe_dispatch._a2a, moe_dispatch._swiglu
 
     def recorded_a2a(*args, async_op=False, **kwargs):
-        events.append("dispatch issued" if async_op else "a2a")
-        return a2a(*args, async_op=async_op, **kwargs)
+        events.append("issued")
+        out = a2a(*args, async_op=async_op, **kwargs)
+        if not async_op:
+            events.append("arrived")
+            return out
+        return out[0], _RecordedWait(out[1], events)
 
     def recorded_swiglu(*args):
         events.append("shared")
@@ -179,7 +193,8 @@ def test_overlapped_programs_are_bitwise_the_plain_ones():
         for ref, got in zip(rank[::2], rank[1::2]):
             assert torch.equal(got["losses"], ref["losses"])
             assert all(torch.equal(a, b) for a, b in zip(tree_leaves(got["params"]), tree_leaves(ref["params"])))
-        # each MoE layer's forward: dispatch issued, shared experts while it flies, then the combine;
-        # its backward: the two gradient exchanges, then the shared experts' vjp (3 steps, 2 layers)
-        step = ["dispatch issued", "shared", "a2a"] * 2 + ["a2a", "a2a", "shared"] * 2
+        # each MoE layer, forward and backward: the dispatch (or the output cotangents) issued, the
+        # shared experts (or their vjp) while it flies, then its arrival, the routed experts, the
+        # combine issued and arrived (3 steps, 2 layers, one chunk)
+        step = ["issued", "shared", "arrived", "issued", "arrived"] * 4
         assert rank[3]["events"] == step * 3, rank[3]["events"]

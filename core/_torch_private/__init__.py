@@ -13,6 +13,8 @@ holds the rest:
 - ``_ops.utils.redistribute_cost``: memoized per lowering (:func:`memoized_redistribute_costs`);
   DTensor asks it for the same (source, target) pair thousands of times while expanding op
   strategies over a 2-D mesh.
+- DTensor's redistribute planner (:func:`redistribute_steps`): the mesh-dim-by-mesh-dim steps
+  ``redistribute`` takes, which the auto-sharder prices so its estimate is the program's.
 - DTensor's sharding-propagation cache, cleared when a planner rebuilds the fake process group
   (:func:`clear_sharding_cache`).
 - ``FakeTensorMode`` (:func:`fake_mode`): tensors with shapes and dtypes and no storage.
@@ -113,6 +115,19 @@ def local_shape_and_offset(global_shape, device_mesh, placements) -> tuple[tuple
 
     shape, offset = compute_local_shape_and_global_offset(global_shape, device_mesh, placements)
     return tuple(shape), tuple(offset)
+
+
+def redistribute_steps(device_mesh, shape, dtype, src, dst) -> list[tuple[int, Any, Any, tuple[int, ...]]]:
+    """The steps DTensor's ``redistribute`` takes from placements ``src`` to ``dst`` for a tensor
+    of global ``shape``: ``(mesh_dim, from, to, logical_shape)`` in issue order, where
+    ``logical_shape`` is the tensor's shape at that mesh dim (the dims before it applied)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
+    infos = _gen_transform_infos(DTensorSpec(device_mesh, tuple(src), meta),
+                                 DTensorSpec(device_mesh, tuple(dst), meta))
+    return [(i.mesh_dim, *i.src_dst_placements, tuple(int(s) for s in i.logical_shape)) for i in infos]
 
 
 def resolve_group(name: str):

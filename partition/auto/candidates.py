@@ -15,7 +15,7 @@ import operator
 
 import numpy as np
 import torch
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx.node import map_arg
 
 from shardfn.core._torch_private import OpOverload, strategies
@@ -45,7 +45,10 @@ class Candidates:
         self.names = tuple(getattr(mesh, "dims", mesh.names))
         self.mesh_shape = tuple(mesh.axes[a] for a in self.names)
         self.dmesh = mesh.device_mesh
-        self.model = CostModel(self.mesh_shape, hardware)
+        # a real CPU (gloo) mesh runs DTensor's all-to-alls as all-gathers; a fake one plans for
+        # the hardware profile's collectives
+        gloo = self.dmesh.device_type == "cpu" and not getattr(mesh, "fake", True)
+        self.model = CostModel(self.mesh_shape, hardware, self.dmesh, gathers_for_all_to_all=gloo)
         gm = traced.graph_module
         self.nodes = [n for n in gm.graph.nodes if n.op != "output"]
         self.output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -210,6 +213,8 @@ class Candidates:
             found = tuple(strategies.Strategy(p, (p,)) for p in self.opts[self.inputs[i][0]])
         elif target in (torch.ops.shardfn.local_region.default, torch.ops.shardfn.local_region_backward.default):
             found = (self._region_strategy(n),)
+        elif target is aten.stack.default:
+            found = self._stack_strategies(i, n)
         else:
             found = self._dtensor_strategies(i, n, replicated)
         args, kwargs = map_arg((n.args, n.kwargs), lambda a: self.val[self.index[a]])
@@ -296,6 +301,29 @@ class Candidates:
         if not keep:
             raise ValueError(f"auto-sharding: no evenly divisible strategy for graph node {n.name!r} ({n.target})")
         return keep
+
+    def _stack_strategies(self, i: int, n: torch.fx.Node) -> tuple:
+        """``stack`` keeps any layout its parts share (a Shard at or after the new dim moves one
+        dim on). DTensor's own rule offers only the one layout its first input has, which
+        would leave the auto-sharder no choice for a stacked gradient."""
+        parts = n.args[0]
+        dim = n.args[1] if len(n.args) > 1 else 0
+        dim = dim % self.val[i].ndim
+        replicated = self._norm((Replicate(),) * len(self.mesh_shape))
+        first = tuple(self.opts[self.index[parts[0]]])
+        shared = set(first + (replicated,))
+        for a in parts[1:]:
+            shared &= set(self.opts[self.index[a]]) | {replicated}
+        found = []
+        for pl in dict.fromkeys(first + (replicated,)):  # in the first part's order, so plans are stable
+            if pl is None or pl not in shared:
+                continue
+            out = tuple(Shard(p.dim + 1) if isinstance(p, Shard) and p.dim >= dim else p for p in pl)
+            if _out_divides(self.val[i], out, self.mesh_shape):
+                found.append(strategies.Strategy(out, (pl,) * len(parts)))
+        if not found:
+            raise ValueError(f"auto-sharding: the parts of {n.name!r} (aten.stack) share no layout")
+        return tuple(found)
 
     def _region_strategy(self, n: torch.fx.Node):
         from shardfn.partition import local_map
