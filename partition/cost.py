@@ -63,6 +63,15 @@ def local_shape(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence
     return out
 
 
+def _held_shape(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int]) -> list[int]:
+    """What one rank holds under ``placements`` (a strided shard divides its dim like a shard)."""
+    out = list(shape)
+    for pl, size in zip(placements, mesh_shape):
+        if isinstance(pl, Shard) or private.strided_shard(pl):
+            out[pl.dim] //= size
+    return out
+
+
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     n = 1
     for s in shape:
@@ -187,27 +196,30 @@ class CostModel:
             return self._transition_by_rule(val, src, dst)
         comm = reshard = 0.0
         done = []
-        for d, a, b, logical in private.redistribute_steps(self.device_mesh, val.shape, val.dtype, src, dst):
-            size = nbytes(logical, val.dtype)  # the value at this mesh dim, the dims before it applied
+        now = list(src)
+        for d, a, b in private.redistribute_steps(self.device_mesh, val.shape, val.dtype, src, dst):
+            held = nbytes(_held_shape(val.shape, now, self.mesh_shape), val.dtype)  # this rank's buffer now
+            now[d] = b
             if a.is_partial():
                 kind = "reduce_scatter" if b.is_shard() or private.strided_shard(b) else "all_reduce"
-                comm += self.collective(kind, size, d)
-                done.append((kind, d, size))
+                comm += self.collective(kind, held, d)
+                done.append((kind, d, held))
             elif b.is_partial() or b.is_replicate():
                 if a.is_replicate():  # R -> P: the value on one rank, zeros elsewhere (a memory pass)
-                    reshard += size / self.hardware.hbm_bandwidth
+                    reshard += held / self.hardware.hbm_bandwidth
                     continue
-                reshard += self.collective("all_gather", size, d)
-                done.append(("all_gather", d, size))
+                gathered = held * self.mesh_shape[d]
+                reshard += self.collective("all_gather", gathered, d)
+                done.append(("all_gather", d, gathered))
             elif a.is_replicate():
                 continue  # R -> S: a local slice
             elif self.gathers_for_all_to_all:
-                reshard += self.collective("all_gather", size, d)
-                done.append(("all_gather", d, size))
+                gathered = held * self.mesh_shape[d]
+                reshard += self.collective("all_gather", gathered, d)
+                done.append(("all_gather", d, gathered))
             else:
-                size //= self.mesh_shape[d]  # what one rank sends
-                reshard += self.collective("all_to_all", size, d)
-                done.append(("all_to_all", d, size))
+                reshard += self.collective("all_to_all", held, d)
+                done.append(("all_to_all", d, held))
         return Transition(comm, reshard, tuple(done))
 
     def _transition_by_rule(self, val, src, dst) -> Transition:

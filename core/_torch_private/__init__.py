@@ -117,17 +117,16 @@ def local_shape_and_offset(global_shape, device_mesh, placements) -> tuple[tuple
     return tuple(shape), tuple(offset)
 
 
-def redistribute_steps(device_mesh, shape, dtype, src, dst) -> list[tuple[int, Any, Any, tuple[int, ...]]]:
+def redistribute_steps(device_mesh, shape, dtype, src, dst) -> list[tuple[int, Any, Any]]:
     """The steps DTensor's ``redistribute`` takes from placements ``src`` to ``dst`` for a tensor
-    of global ``shape``: ``(mesh_dim, from, to, logical_shape)`` in issue order, where
-    ``logical_shape`` is the tensor's shape at that mesh dim (the dims before it applied)."""
+    of global ``shape``: ``(mesh_dim, from, to)`` in issue order."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
     meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), dtype)
     infos = _gen_transform_infos(DTensorSpec(device_mesh, tuple(src), meta),
                                  DTensorSpec(device_mesh, tuple(dst), meta))
-    return [(i.mesh_dim, *i.src_dst_placements, tuple(int(s) for s in i.logical_shape)) for i in infos]
+    return [(i.mesh_dim, *i.src_dst_placements) for i in infos]
 
 
 def resolve_group(name: str):
