@@ -173,12 +173,11 @@ class CostModel:
     def transition(self, val: torch.Tensor, src, dst) -> Transition:
         """The cost of redistributing ``val`` from placements ``src`` to ``dst``.
 
-        Mesh dims are handled in the order that keeps buffers small: local slices and
-        reduce-scatters first (major mesh dim first), then all-to-alls, all-reduces, and
-        all-gathers last (minor mesh dim first: a dim split over several mesh dims is
-        reassembled from the inside out, as DTensor does). Returns a
-        Transition with infinite comm for an impossible move (between different kinds of
-        partial sums).
+        With a device mesh, the steps are DTensor's own redistribute plan, each priced on what
+        a rank holds at that step; without one, mesh dims are taken in the order that keeps
+        buffers small (:meth:`_transition_by_rule`). Returns a Transition with infinite comm
+        for a move nothing can lower: into a partial sum (DTensor's ``redistribute`` makes
+        none) or between different kinds of partial sums.
         """
         src, dst = tuple(src), tuple(dst)
         if src == dst:
@@ -190,7 +189,9 @@ class CostModel:
         return hit
 
     def _transition(self, val, src, dst) -> Transition:
-        if any(isinstance(a, Partial) and isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+        if any(isinstance(b, Partial) and a != b for a, b in zip(src, dst)):
+            # DTensor's redistribute makes no partial sum (and none of another kind): nothing can
+            # lower such a move, so a plan may not contain one
             return Transition(INFEASIBLE, 0.0, ())
         if self.device_mesh is None:
             return self._transition_by_rule(val, src, dst)
@@ -204,10 +205,7 @@ class CostModel:
                 kind = "reduce_scatter" if b.is_shard() or private.strided_shard(b) else "all_reduce"
                 comm += self.collective(kind, held, d)
                 done.append((kind, d, held))
-            elif b.is_partial() or b.is_replicate():
-                if a.is_replicate():  # R -> P: the value on one rank, zeros elsewhere (a memory pass)
-                    reshard += held / self.hardware.hbm_bandwidth
-                    continue
+            elif b.is_replicate():
                 gathered = held * self.mesh_shape[d]
                 reshard += self.collective("all_gather", gathered, d)
                 done.append(("all_gather", d, gathered))
@@ -223,17 +221,15 @@ class CostModel:
         return Transition(comm, reshard, tuple(done))
 
     def _transition_by_rule(self, val, src, dst) -> Transition:
-        """Without a device mesh: each mesh dim on its own, in the order DTensor mostly uses."""
+        """Without a device mesh: local slices and reduce-scatters first (major mesh dim
+        first), then all-to-alls, all-reduces, and all-gathers last (minor mesh dim first: a dim
+        split over several mesh dims is reassembled from the inside out, as DTensor does)."""
         shape = local_shape(val.shape, src, self.mesh_shape)
         steps = []  # (order, mesh_dim, kind)
         for d, (a, b) in enumerate(zip(src, dst)):
             if a == b or self.mesh_shape[d] == 1:
                 continue
-            if isinstance(a, Partial) and isinstance(b, Partial):
-                return Transition(INFEASIBLE, 0.0, ())
-            if isinstance(b, Partial):  # R -> P is local; S -> P gathers first
-                steps.append((3, -d, "all_gather" if isinstance(a, Shard) else "local"))
-            elif isinstance(a, Partial):
+            if isinstance(a, Partial):
                 steps.append(
                     (0 if isinstance(b, Shard) else 2, d, "reduce_scatter" if isinstance(b, Shard) else "all_reduce")
                 )
@@ -264,13 +260,11 @@ class CostModel:
                 done.append((kind, d, size))
                 shape[a.dim] *= n
                 shape[b.dim] //= n
-            elif kind == "all_gather":
+            else:  # all_gather
                 shape[a.dim] *= n
                 size = nbytes(shape, val.dtype)
                 reshard += self.collective(kind, size, d)
                 done.append((kind, d, size))
-            else:  # R -> P: keep the value on one rank, zeros elsewhere (a local memory pass)
-                reshard += size / self.hardware.hbm_bandwidth
         return Transition(comm, reshard, tuple(done))
 
 

@@ -95,6 +95,9 @@ def test_transitions_follow_dtensors_plan_on_a_device_mesh(clean_process_group):
     gloo = CostModel((2, 2), load_hardware("h100"), mesh.device_mesh, gathers_for_all_to_all=True)
     assert gloo.transition(x, (S2, S0), (S0, R)).collectives[1] == ("all_gather", 0, 2 * 64 * 64 * 4)
     assert model.transition(x, (Partial(), R), (Partial("max"), R)).comm_s == float("inf")
+    # DTensor's redistribute makes no partial sum, so no plan may ask for one
+    assert model.transition(x, (S0, R), (Partial(), R)).comm_s == float("inf")
+    assert model.transition(x, (R, R), (R, Partial())).comm_s == float("inf")
 
 
 def test_a_stacked_gradient_may_take_any_layout_its_parts_share(clean_process_group):
