@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from fixtures import median_seconds  # noqa: E402  (tests/fixtures.py)
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_autoshard_rank.json"
 SIZE = ["model.dim=256", "model.n_layers=2", "train.seq_len=128", "train.batch_size=8"]
 MESH = {"dp": 2, "tp": 2}
@@ -40,17 +43,8 @@ def measure_compute() -> dict:
     x = torch.randn(16 * 2**20 // 4)
     y = torch.empty_like(x)
 
-    def best(fn, n=7):
-        fn()
-        times = []
-        for _ in range(n):
-            tic = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - tic)
-        return statistics.median(times)
-
-    flops = 2 * 512**3 / best(lambda: torch.mm(a, b))
-    bandwidth = 2 * x.numel() * 4 / best(lambda: torch.add(x, 1.0, out=y))
+    flops = 2 * 512**3 / median_seconds(lambda: torch.mm(a, b), 7, warmup=1)
+    bandwidth = 2 * x.numel() * 4 / median_seconds(lambda: torch.add(x, 1.0, out=y), 7, warmup=1)
     return {"flops": flops, "bandwidth": bandwidth}
 
 
