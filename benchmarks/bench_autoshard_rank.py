@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -160,7 +161,7 @@ def main() -> None:
     compute = measure_compute()
     probe = spawn(_link_samples, 2, timeout_s=300)[0]
     latency, bandwidth = fit_link(probe)
-    measured = {**{k: v for k, v in vars(load_hardware("cpu")).items()}, "name": "measured",
+    measured = {**vars(load_hardware("cpu")), "name": "measured",
                 "peak_flops_fp32": compute["flops"], "peak_flops_bf16": compute["flops"],
                 "hbm_bandwidth": compute["bandwidth"], "intra_node_bandwidth": bandwidth,
                 "intra_node_latency": latency, "gpus_per_node": 4}
@@ -170,7 +171,7 @@ def main() -> None:
     out = spawn(_worker, 4, args=(SIZE, a.rounds, measured), timeout_s=900)[0]
     report = {"benchmark": "bench_autoshard_rank", "size": SIZE, "mesh": MESH, "rounds": a.rounds,
               "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                          "cpus": __import__("os").cpu_count()},
+                          "cpus": os.cpu_count()},
               "measured_profile": measured, "link_samples": probe, "profiles": {}}
     for profile in ("cpu", "measured"):
         keys = [k for k in out["estimates"] if k.startswith(profile + "/")]

@@ -55,16 +55,8 @@ FREE = Transition(0.0, 0.0, ())
 
 
 def local_shape(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int]) -> list[int]:
-    """Per-rank shape of an evenly divisible tensor under ``placements``."""
-    out = list(shape)
-    for pl, size in zip(placements, mesh_shape):
-        if isinstance(pl, Shard):
-            out[pl.dim] //= size
-    return out
-
-
-def _held_shape(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int]) -> list[int]:
-    """What one rank holds under ``placements`` (a strided shard divides its dim like a shard)."""
+    """Per-rank shape of an evenly divisible tensor under ``placements`` (a strided shard, which
+    DTensor's redistribute may pass through, divides its dim like a shard)."""
     out = list(shape)
     for pl, size in zip(placements, mesh_shape):
         if isinstance(pl, Shard) or private.strided_shard(pl):
@@ -199,19 +191,15 @@ class CostModel:
         done = []
         now = list(src)
         for d, a, b in private.redistribute_steps(self.device_mesh, val.shape, val.dtype, src, dst):
-            held = nbytes(_held_shape(val.shape, now, self.mesh_shape), val.dtype)  # this rank's buffer now
+            held = nbytes(local_shape(val.shape, now, self.mesh_shape), val.dtype)  # this rank's buffer now
             now[d] = b
             if a.is_partial():
                 kind = "reduce_scatter" if b.is_shard() or private.strided_shard(b) else "all_reduce"
                 comm += self.collective(kind, held, d)
                 done.append((kind, d, held))
-            elif b.is_replicate():
-                gathered = held * self.mesh_shape[d]
-                reshard += self.collective("all_gather", gathered, d)
-                done.append(("all_gather", d, gathered))
             elif a.is_replicate():
                 continue  # R -> S: a local slice
-            elif self.gathers_for_all_to_all:
+            elif b.is_replicate() or self.gathers_for_all_to_all:  # S -> R, or S -> S on gloo
                 gathered = held * self.mesh_shape[d]
                 reshard += self.collective("all_gather", gathered, d)
                 done.append(("all_gather", d, gathered))
