@@ -1,28 +1,39 @@
-"""The auto-sharder's cost model: seconds per op, per redistribution, and bytes per rank.
+"""The cost model: what kernels, collectives and bytes cost one rank on a hardware profile.
 
-Everything is per rank, from global fake shapes and DTensor placements (one per mesh dim):
+One model serves every estimate in shardfn. :class:`Rates` turns work into seconds from a
+profile's datasheet peaks and its achieved-rate table (``partition.hardware.efficiency``): a GEMM
+at its shape's share of peak, other FLOPs at the sustained clock, streamed bytes at the HBM
+bandwidth a kernel reaches, collectives by the ring alpha-beta model at NCCL's bus bandwidth. The
+planner's traced step (``plan.estimate``), its GPU run model (``plan.runmodel``) and the
+auto-sharder (:class:`CostModel` here) all price through it, so they differ only in what they
+count, never in what a unit of work costs.
 
-- **compute** of an op under a strategy: ``FLOPs(local shapes) / peak + bytes moved / HBM
-  bandwidth``. FLOPs come from ``torch.utils.flop_counter``'s registry evaluated on the local
-  (per-rank) shapes, so a matmul split over ``n`` ranks costs ``1/n`` and one that is run
-  redundantly on replicated inputs costs the full amount; a Partial input is a full-size local
-  tensor. Views cost nothing.
+:class:`CostModel` is the auto-sharder's per-op view, everything per rank from global fake shapes
+and DTensor placements (one per mesh dim):
+
+- **compute** of an op under a strategy: its FLOPs on the local (per-rank) shapes
+  (``torch.utils.flop_counter``'s registry; a GEMM at its local shape's share of peak) plus the
+  bytes it reads and writes. A matmul split over ``n`` ranks costs ``1/n``; one run redundantly
+  on replicated inputs costs the full amount; a Partial input is a full-size local tensor. Views
+  cost nothing.
 - **transition** of a value from one placement to another: the collectives DTensor's
-  ``redistribute`` issues, mesh dim by mesh dim, priced by the hardware's alpha-beta model.
-  Reducing a partial sum (all-reduce, reduce-scatter) is *comm*; moving data between layouts
-  (all-gather, all-to-all) is *reshard*. Replicate -> Shard is a local slice (free).
+  ``redistribute`` issues, mesh dim by mesh dim. Reducing a partial sum (all-reduce,
+  reduce-scatter) is *comm*; moving data between layouts (all-gather, all-to-all) is *reshard*.
+  Replicate -> Shard is a local slice (free).
 - **memory** of a value: its local bytes (a Partial value is full size).
 
 A mesh dim is intra-node when the product of its size and every more-minor dim's size fits in
 ``hardware.gpus_per_node`` (the last mesh axes vary fastest, as in ``init_device_mesh``).
 
-    model = CostModel(mesh.shape, load_hardware("h100"))
-    model.transition(val, (Partial(),), (Replicate(),))   # Transition(comm_s=..., reshard_s=0.0, ...)
+    rates = Rates.of("h100"); rates.collective_s("all_gather", 1 << 30, 8, intra_node=True)
+    CostModel(mesh.shape, rates.hardware).transition(val, (Partial(),), (Replicate(),))
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
@@ -31,11 +42,87 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardfn.core import _torch_private as private
 from shardfn.partition.flops import op_flops
 from shardfn.partition.fx import is_view
-from shardfn.partition.hardware import Hardware
+from shardfn.partition.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, efficiency, load_hardware
 
 aten = torch.ops.aten
 
 INFEASIBLE = math.inf
+
+GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default})
+"""Ops priced at their GEMM shape's achieved share of peak (others at the sustained clock)."""
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds for a unit of work on one device of a hardware profile: its datasheet peaks times
+    the shares its kernels and links achieve (:class:`~shardfn.partition.hardware.Efficiency`;
+    a profile without a table runs at its peaks).
+
+    Example:
+        rates = Rates.of("h100")
+        rates.gemm_s(8192, 4096, 4096, torch.bfloat16), rates.memory_s(1 << 30)
+    """
+
+    hardware: Hardware
+    efficiency: Efficiency
+
+    @classmethod
+    def of(cls, hardware: "str | Hardware", *, achieved: bool = True) -> "Rates":
+        """The rates of a profile (by name, path or :class:`Hardware`); ``achieved=False``: at its
+        datasheet peaks (a lower bound on time)."""
+        hw = load_hardware(hardware)
+        return cls(hw, efficiency(hw) if achieved else DEFAULT_EFFICIENCY)
+
+    def peak(self, dtype: torch.dtype) -> float:
+        """Datasheet peak FLOP/s for ``dtype`` (what MFU divides by)."""
+        return self.hardware.peak_flops(dtype)
+
+    def gemm_s(self, m: float, n: float, k: float, dtype: torch.dtype, flops: float | None = None) -> float:
+        """An ``[m, k] @ [k, n]`` GEMM (``flops`` defaults to ``2 m n k``) at its shape's share."""
+        flops = 2.0 * m * n * k if flops is None else flops
+        share = self.efficiency.matmul_share(m, n, k)
+        return flops / (self.peak(dtype) * self.efficiency.clock * share)
+
+    def flops_s(self, flops: float, dtype: torch.dtype) -> float:
+        """FLOPs of a kernel whose shape is not known, at the sustained clock."""
+        return flops / (self.peak(dtype) * self.efficiency.clock)
+
+    def attention_s(self, flops: float, dtype: torch.dtype) -> float:
+        """A flash-attention kernel's FLOPs (causal counted as half the square)."""
+        return flops / (self.peak(dtype) * self.efficiency.clock * self.efficiency.attention)
+
+    def memory_s(self, nbytes: float) -> float:
+        """Bytes a memory-bound kernel streams through HBM."""
+        return nbytes / (self.hardware.hbm_bandwidth * self.efficiency.hbm)
+
+    def collective_s(self, op: str, nbytes: float, group: int, intra_node: bool) -> float:
+        """One collective (sizes as :meth:`Hardware.collective_time`) at the bus bandwidth NCCL
+        reaches."""
+        hw, eff = self.hardware, self.efficiency
+        achieved = dataclasses.replace(hw, intra_node_bandwidth=hw.intra_node_bandwidth * eff.intra_bus,
+                                       inter_node_bandwidth=hw.inter_node_bandwidth * eff.inter_bus)
+        return achieved.collective_time(op, nbytes, group, intra_node)
+
+    def all_to_all_s(self, nbytes: float, group: int, intra_node: bool) -> float:
+        """An all-to-all of ``nbytes`` per rank under uniform routing: the share bound for other
+        nodes crosses the NIC, the rest NVLink, at the same time."""
+        hw, eff = self.hardware, self.efficiency
+        if group <= 1:
+            return 0.0
+        if intra_node:
+            return self.collective_s("all_to_all", nbytes, group, intra_node)
+        off_node = nbytes * (1 - hw.gpus_per_node / group)
+        on_node = nbytes * (hw.gpus_per_node - 1) / group
+        return max(off_node / (hw.inter_node_bandwidth * eff.inter_bus),
+                   on_node / (hw.intra_node_bandwidth * eff.intra_bus)) + (group - 1) * hw.inter_node_latency
+
+    def p2p_s(self, nbytes: float, intra_node: bool) -> float:
+        """One point-to-point send of ``nbytes`` (a pipeline stage's activations)."""
+        if nbytes <= 0:
+            return 0.0
+        bw, alpha = self.hardware.link(intra_node)
+        bus = self.efficiency.intra_bus if intra_node else self.efficiency.inter_bus
+        return nbytes / (bw * bus) + alpha
 
 
 class Transition(NamedTuple):
@@ -86,7 +173,7 @@ class CostModel:
 
     Args:
         mesh_shape: sizes of the mesh dims, major to minor.
-        hardware: a :class:`~shardfn.partition.hardware.Hardware`.
+        hardware: a :class:`~shardfn.partition.hardware.Hardware`, priced by its :class:`Rates`.
         device_mesh: the ``DeviceMesh``; with it, a transition is priced step by step as
             DTensor's ``redistribute`` plans it (a dim split over two mesh dims is regathered when
             its order changes); without it, by the per-dim rule of :meth:`_transition_by_rule`.
@@ -102,6 +189,7 @@ class CostModel:
                  gathers_for_all_to_all: bool = False):
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.hardware = hardware
+        self.rates = Rates.of(hardware)
         self.device_mesh = device_mesh
         self.gathers_for_all_to_all = gathers_for_all_to_all
         intra = []
@@ -155,12 +243,18 @@ class CostModel:
                 out_shapes.append(None)
         out_shape = out_shapes[0] if not isinstance(out_val, (tuple, list)) else tuple(out_shapes)
         flops = op_flops(op, largs, lkwargs, out_shape)
-        peak = self.hardware.peak_flops(dtype or torch.float32)
-        return flops / peak + moved / self.hardware.hbm_bandwidth
+        dtype = dtype or torch.float32
+        if op in GEMMS and flops:
+            *_, m, k = largs[-2] if op in (aten.addmm.default, aten.baddbmm.default) else largs[0]
+            n = largs[-1][-1]
+            seconds = self.rates.gemm_s(m, n, k, dtype, flops)
+        else:
+            seconds = self.rates.flops_s(flops, dtype)
+        return seconds + self.rates.memory_s(moved)
 
     # -- transitions -------------------------------------------------------------------------
     def collective(self, op: str, nbytes_: float, mesh_dim: int) -> float:
-        return self.hardware.collective_time(op, nbytes_, self.mesh_shape[mesh_dim], self.intra_node[mesh_dim])
+        return self.rates.collective_s(op, nbytes_, self.mesh_shape[mesh_dim], self.intra_node[mesh_dim])
 
     def transition(self, val: torch.Tensor, src, dst) -> Transition:
         """The cost of redistributing ``val`` from placements ``src`` to ``dst``.

@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from shardfn.partition.cost import Rates
 from shardfn.partition.hardware import Hardware, load_hardware
 from shardfn.partition.layouts import AXIS_ORDER
 from shardfn.plan.inventory import (
@@ -26,7 +27,15 @@ from shardfn.plan.inventory import (
     rank_shares,
     stage_shares,
 )
-from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, inflight, makespan_units, rank_stages
+from shardfn.plan.layout import (
+    Layout,
+    PlanError,
+    check_layout,
+    inflight,
+    intra_node,
+    makespan_units,
+    rank_stages,
+)
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, lower_pipeline, profile
 from shardfn.plan.runmodel import RunSpec, run_estimate
 from shardfn.runtime.train_step import precision_policy
@@ -90,25 +99,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def intra_node(layout: Layout, hw: Hardware) -> dict[str, bool]:
-    """Per axis: does its group stay inside a node (axes placed innermost first)?"""
-    out, inner = {}, 1
-    for a in PLACEMENT_ORDER:
-        inner *= getattr(layout, a)
-        out[a] = inner <= hw.gpus_per_node
-    return out
-
-
-def collective_seconds(hw: Hardware, layout: Layout, intra: dict, op: str, axis: str, nbytes: float,
+def collective_seconds(rates: Rates, layout: Layout, intra: dict, op: str, axis: str, nbytes: float,
                        count: float) -> float:
+    """``count`` collectives of ``nbytes`` in all on ``axis`` (``"p2p"``: pipeline sends)."""
     if count <= 0:
         return 0.0
-    size = getattr(layout, axis)
     if op == "p2p":
-        bw, alpha = hw.link(intra["pp"])
-        return count * (nbytes / count / bw + alpha)
-    return count * hw.collective_time(op, nbytes / count, size, intra[axis])
-
+        return count * rates.p2p_s(nbytes / count, intra["pp"])
+    return count * rates.collective_s(op, nbytes / count, getattr(layout, axis), intra[axis])
 
 
 def _stage_mb(prof: Profile, share: RankShare) -> tuple[int, Comm]:
@@ -371,25 +369,26 @@ def step_time(cfg, layout: Layout, hw: Hardware, facts: ModelFacts, stages, stag
     per-step collectives of the slowest rank (see the module docstring). ``p2p=False`` leaves
     the P2P delay out (a lower bound)."""
     seq, m = cfg.train.seq_len, layout.microbatches
+    rates = Rates.of(hw, achieved=False)  # the traced program at peak rates: a bound to rank layouts by
     intra = intra_node(layout, hw)
-    peak = hw.peak_flops(dtype)
+    peak = rates.peak(dtype)
     recompute = 8.0 / 6.0 if layout.checkpointing else 1.0
 
     def seconds(comm: Comm) -> float:
-        return sum(collective_seconds(hw, layout, intra, op, axis, b, c) for (op, axis), (b, c) in comm.items())
+        return sum(collective_seconds(rates, layout, intra, op, axis, b, c) for (op, axis), (b, c) in comm.items())
 
     compute, comm = [], []
     for share, c in zip(stages, stage_comm):
         params = sum(n * facts.layer_active[k] for k, n in share.counts.items())
         params += facts.embed * share.first + facts.head * share.last
         attn = sum(share.counts.values()) * facts.attn_per_token_layer * seq
-        compute.append((6.0 * params + attn) * tokens_mb / layout.tp * recompute / peak)
-        a2a = 4 * share.counts.get("moe_layers", 0) * hw.collective_time("all_to_all", ep_bytes, layout.ep, intra["ep"])
+        compute.append(rates.flops_s((6.0 * params + attn) * tokens_mb / layout.tp * recompute, dtype))
+        a2a = 4 * share.counts.get("moe_layers", 0) * rates.all_to_all_s(ep_bytes, layout.ep, intra["ep"])
         comm.append(seconds(c) + a2a)
     per_mb = max(x + y for x, y in zip(compute, comm))       # the slowest stage sets the pace
     costs = {"F": 1.0, "B": 3.0 if layout.checkpointing else 2.0, "I": 2.0 if layout.checkpointing else 1.0, "W": 1.0}
     unit = per_mb / (costs["F"] + costs["B"])
-    p2p_s = collective_seconds(hw, layout, intra, "p2p", "pp", input_bytes, 1) if layout.pp > 1 and p2p else 0.0
+    p2p_s = collective_seconds(rates, layout, intra, "p2p", "pp", input_bytes, 1) if layout.pp > 1 and p2p else 0.0
     makespan, bubble = makespan_units(layout, costs, p2p_s / unit if unit else 0.0)
     pipeline_s = makespan * unit
     step_comm_s = max(seconds(c) for c in step_comms)

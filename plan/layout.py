@@ -106,6 +106,18 @@ class Layout:
                 "world_size": self.world_size}
 
 
+def intra_node(layout: Layout, hw) -> dict[str, bool]:
+    """Per axis: does its group stay inside a node of ``hw`` (axes placed innermost first)?
+
+        intra_node(Layout(fsdp=8, dp=4), load_hardware("h100"))["dp"]   # False: 32 > 8 per node
+    """
+    out, inner = {}, 1
+    for a in PLACEMENT_ORDER:
+        inner *= getattr(layout, a)
+        out[a] = inner <= hw.gpus_per_node
+    return out
+
+
 def _listed(layout: Layout) -> tuple[str, ...]:
     return tuple(a for a in AXIS_ORDER if a in MESH_AXES or getattr(layout, a) > 1)
 

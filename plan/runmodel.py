@@ -20,14 +20,14 @@ Everything else is a datasheet number, a published measurement or a count.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from shardfn.partition.hardware import Efficiency, Hardware, efficiency, load_hardware
-from shardfn.plan.layout import PLACEMENT_ORDER, Layout, inflight, makespan_units
+from shardfn.partition.cost import Rates
+from shardfn.partition.hardware import Hardware
+from shardfn.plan.layout import Layout, inflight, intra_node, makespan_units
 
 GIB = 1 << 30
 
@@ -296,69 +296,38 @@ def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, la
 # ============================================================================ time terms
 
 
-def _intra(layout: Layout, hw: Hardware) -> dict:
-    out, inner = {}, 1
-    for a in PLACEMENT_ORDER:
-        inner *= getattr(layout, a)
-        out[a] = inner <= hw.gpus_per_node
-    return out
-
-
-def collective_s(hw: Hardware, eff: Efficiency, op: str, nbytes: float, group: int, intra: bool) -> float:
-    """One collective at the bus bandwidth NCCL reaches (ring alpha-beta of ``Hardware``).
-
-        collective_s(hw, efficiency(hw), "all_gather", 1 << 30, 8, True)
-    """
-    achieved = dataclasses.replace(hw, intra_node_bandwidth=hw.intra_node_bandwidth * eff.intra_bus,
-                                   inter_node_bandwidth=hw.inter_node_bandwidth * eff.inter_bus)
-    return achieved.collective_time(op, nbytes, group, intra)
-
-
-def all_to_all_s(hw: Hardware, eff: Efficiency, nbytes: float, group: int, intra: bool) -> float:
-    """An all-to-all of ``nbytes`` per rank under uniform routing: the share bound for other nodes
-    crosses the NIC, the rest NVLink, at the same time."""
-    if group <= 1:
-        return 0.0
-    if intra:
-        return collective_s(hw, eff, "all_to_all", nbytes, group, True)
-    off_node = nbytes * (1 - hw.gpus_per_node / group)
-    on_node = nbytes * (hw.gpus_per_node - 1) / group
-    return max(off_node / (hw.inter_node_bandwidth * eff.inter_bus),
-               on_node / (hw.intra_node_bandwidth * eff.intra_bus)) + (group - 1) * hw.inter_node_latency
-
-
-def matmul_s(shape: Shape, stack: str, tokens: float, layout: Layout, peak: float, eff: Efficiency) -> float:
+def matmul_s(shape: Shape, stack: str, tokens: float, layout: Layout, rates: Rates, dtype: torch.dtype) -> float:
     """Forward seconds of one layer's matmuls for ``tokens`` tokens on one rank, each GEMM at its
     shape's achieved share (routed experts: ``ep x tokens x top_k / experts`` rows per expert)."""
     total = 0.0
     for m in shape.matmuls[stack]:
         rows = tokens if m.experts == 1 else tokens * layout.ep * shape.top_k / m.experts
         flops = 2.0 * tokens * m.share * m.k * m.n / layout.tp * (EXPERT_LOAD_IMBALANCE if m.experts > 1 else 1.0)
-        total += flops / (peak * eff.clock * eff.matmul_share(rows, m.n / layout.tp, m.k))
+        total += rates.gemm_s(rows, m.n / layout.tp, m.k, dtype, flops)
     return total
 
 
-def _peak(hw: Hardware, spec: RunSpec) -> float:
-    return hw.peak_flops(torch.bfloat16 if spec.compute_bytes == 2 else torch.float32)
+def _dtype(spec: RunSpec) -> torch.dtype:
+    return torch.bfloat16 if spec.compute_bytes == 2 else torch.float32
 
 
-def time_terms(shape: Shape, layout: Layout, spec: RunSpec, hw: Hardware, tokens_mb: int, seq: int,
-               layers: dict, eff: Efficiency) -> dict:
+def time_terms(shape: Shape, layout: Layout, spec: RunSpec, rates: Rates, tokens_mb: int, seq: int,
+               layers: dict) -> dict:
     """Seconds per microbatch on the busiest rank, term by term, and what of it is exposed."""
-    peak = _peak(hw, spec)
-    intra = _intra(layout, hw)
+    dtype = _dtype(spec)
+    intra = intra_node(layout, rates.hardware)
     it = spec.compute_bytes
-    fwd_mm = sum(n * matmul_s(shape, k, tokens_mb, layout, peak, eff) for k, n in layers.items())
-    head_mm = 2.0 * tokens_mb * shape.head / layout.tp
-    head_mm = head_mm / (peak * eff.clock * eff.matmul_share(tokens_mb, shape.vocab / layout.tp, shape.dim))
+    fwd_mm = sum(n * matmul_s(shape, k, tokens_mb, layout, rates, dtype) for k, n in layers.items())
+    head_flops = 2.0 * tokens_mb * shape.head / layout.tp
+    head_mm = rates.gemm_s(tokens_mb, shape.vocab / layout.tp, shape.dim, dtype, head_flops)
     recompute_mm = {"full": 1.0, "selective_op": 0.5}.get(spec.remat, 0.0)
     matmul = 3 * fwd_mm + 3 * head_mm + recompute_mm * fwd_mm
     n_layers = sum(layers.values())
     attn_flops = n_layers * shape.attn_flops_per_token_seq * seq * tokens_mb / layout.tp
-    attention = attn_flops * (4 / 3 if spec.remat == "full" else 1.0) / (peak * eff.clock * eff.attention)
+    attention = rates.attention_s(attn_flops * (4 / 3 if spec.remat == "full" else 1.0), dtype)
     act_bytes = sum(n * saved_per_token_layer(shape, k, "none", it, layout.tp) for k, n in layers.items())
-    memory_bound = (ELEMENTWISE_PASSES * (1.0 + (spec.remat != "none") / 3) * act_bytes * tokens_mb
-                    + LOSS_BYTES_PER_LOGIT * tokens_mb * shape.vocab / layout.tp) / (hw.hbm_bandwidth * eff.hbm)
+    memory_bound = rates.memory_s(ELEMENTWISE_PASSES * (1.0 + (spec.remat != "none") / 3) * act_bytes * tokens_mb
+                                  + LOSS_BYTES_PER_LOGIT * tokens_mb * shape.vocab / layout.tp)
     compute = matmul + attention + memory_bound
     # fsdp: each layer's weights gathered (bf16) for the forward and again for the backward, its
     # gradient reduce-scattered; prefetched, so hidden behind compute but for the first gather
@@ -366,28 +335,28 @@ def time_terms(shape: Shape, layout: Layout, spec: RunSpec, hw: Hardware, tokens
     if layout.fsdp > 1:
         gathers = 2 if spec.reshard_after_forward else 1
         full_dense = sum(n * shape.layer_fsdp[k] for k, n in layers.items()) + shape.head_fsdp
-        ag = collective_s(hw, eff, "all_gather", full_dense * it, layout.fsdp, intra["fsdp"])
-        rs = collective_s(hw, eff, "reduce_scatter", full_dense * spec.reduce_bytes, layout.fsdp, intra["fsdp"])
+        ag = rates.collective_s("all_gather", full_dense * it, layout.fsdp, intra["fsdp"])
+        rs = rates.collective_s("reduce_scatter", full_dense * spec.reduce_bytes, layout.fsdp, intra["fsdp"])
         fsdp = gathers * ag + rs
         # prefetch hides the forward's gathers behind the forward (a third of the compute), the
         # backward's gathers and reduce-scatters behind the backward; the first gather is exposed
         exposed_fsdp = (max(0.0, ag - compute / 3) + max(0.0, (gathers - 1) * ag + rs - 2 * compute / 3)
                         + ag / max(n_layers, 1))
     # tp: two all-reduces of [tokens, dim] per layer forward, two backward; on the critical path
-    tp = 4 * n_layers * collective_s(hw, eff, "all_reduce", tokens_mb * shape.dim * it, layout.tp, intra["tp"])
+    tp = 4 * n_layers * rates.collective_s("all_reduce", tokens_mb * shape.dim * it, layout.tp, intra["tp"])
     # ep: dispatch and combine, forward and backward (and the forward again when recomputed), per
     # MoE layer, the busiest rank's share
     moe_layers = sum(n for k, n in layers.items() if any(m.experts > 1 for m in shape.matmuls[k]))
     exchanges = 6 if spec.remat == "full" else 4
-    ep = exchanges * moe_layers * EXPERT_LOAD_IMBALANCE * all_to_all_s(
-        hw, eff, tokens_mb * shape.top_k * shape.dim * it, layout.ep, intra["ep"])
+    ep = exchanges * moe_layers * EXPERT_LOAD_IMBALANCE * rates.all_to_all_s(
+        tokens_mb * shape.top_k * shape.dim * it, layout.ep, intra["ep"])
     # cp: each attention layer all-gathers the sequence's K and V in the forward and again in the
     # backward, and reduce-scatters their gradients (docs/context.md); on the critical path
     cp = 0.0
     if layout.cp > 1:
         kv = tokens_mb * layout.cp * shape.kv_width / layout.tp * it
-        cp = n_layers * (2 * collective_s(hw, eff, "all_gather", kv, layout.cp, intra["cp"])
-                         + collective_s(hw, eff, "reduce_scatter", kv, layout.cp, intra["cp"]))
+        cp = n_layers * (2 * rates.collective_s("all_gather", kv, layout.cp, intra["cp"])
+                         + rates.collective_s("reduce_scatter", kv, layout.cp, intra["cp"]))
     exposed = compute + exposed_fsdp + tp + cp + ep * (1 - spec.ep_overlap)
     return {"matmul_s": matmul, "attention_s": attention, "memory_bound_s": memory_bound, "compute_s": compute,
             "fsdp_s": fsdp, "fsdp_exposed_s": exposed_fsdp, "tp_s": tp, "cp_s": cp, "ep_s": ep,
@@ -403,8 +372,8 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
         est["time"]["step_s"], est["memory"]["reserved_bytes"]
     """
     spec = spec or RunSpec(remat=cfg.train.remat)
-    hw = load_hardware(hardware)
-    eff = efficiency(hw)
+    rates = Rates.of(hardware)
+    hw = rates.hardware
     shape = model_shape(cfg, layout)
     seq = cfg.train.seq_len
     rows = spec.rows if spec.rows is not None else cfg.train.batch_size // layout.data_size // layout.microbatches
@@ -413,21 +382,21 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
                          f"{layout.data_size} data ranks x {layout.microbatches} microbatches")
     tokens_mb = rows * seq // layout.cp  # a context-parallel rank holds 1/cp of each sequence
     layers = rank_layers(shape, layout)
-    t = time_terms(shape, layout, spec, hw, tokens_mb, seq, layers, eff)
+    t = time_terms(shape, layout, spec, rates, tokens_mb, seq, layers)
     per_mb = t["microbatch_s"]
     m = layout.microbatches
-    p2p = collective_s(hw, eff, "all_gather", 2 * tokens_mb * shape.dim * spec.compute_bytes, 2,
-                       _intra(layout, hw)["pp"]) if layout.pp > 1 else 0.0
+    intra = intra_node(layout, hw)
+    p2p = rates.p2p_s(tokens_mb * shape.dim * spec.compute_bytes, intra["pp"]) if layout.pp > 1 else 0.0
     costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     unit = per_mb / 3 / layout.stages_per_rank
     makespan, bubble = makespan_units(layout, costs, p2p / unit if unit else 0.0)
     pipeline = makespan * unit
     local = sum(n * shape.layer_local[k] for k, n in layers.items()) + shape.head_local
-    optimizer = local * ADAMW_BYTES_PER_PARAM / (hw.hbm_bandwidth * eff.hbm)
+    optimizer = rates.memory_s(local * ADAMW_BYTES_PER_PARAM)
     dp = 0.0
     if layout.dp * layout.cp > 1:  # parameters are replicated over cp too: their gradients are summed over it
-        dp = collective_s(hw, eff, "all_reduce", local * layout.fsdp * spec.reduce_bytes / layout.fsdp,
-                          layout.dp * layout.cp, _intra(layout, hw)["dp"])
+        dp = rates.collective_s("all_reduce", local * layout.fsdp * spec.reduce_bytes / layout.fsdp,
+                                layout.dp * layout.cp, intra["dp"])
     dp_exposed = max(0.0, dp - pipeline * 2 / 3)
     step = pipeline + optimizer + dp_exposed + STEP_OVERHEAD_S
     tokens_step = tokens_mb * layout.cp * m * layout.data_size
@@ -441,6 +410,6 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
         "time": {**t, "pipeline_s": pipeline, "bubble": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                  "dp_s": dp, "dp_exposed_s": dp_exposed, "fixed_s": STEP_OVERHEAD_S, "step_s": step},
         "tokens_per_s_per_device": per_device, "model_flops_per_token": model_flops,
-        "mfu": per_device * model_flops / _peak(hw, spec),
-        "memory": mem, "fits": mem["device_bytes"] <= hw.hbm_bytes, "efficiency_source": eff.source,
+        "mfu": per_device * model_flops / rates.peak(_dtype(spec)),
+        "memory": mem, "fits": mem["device_bytes"] <= hw.hbm_bytes, "efficiency_source": rates.efficiency.source,
     }

@@ -4,8 +4,11 @@ that agrees with what a real run on gloo ranks measures."""
 
 import importlib
 import json
+import types
 
 import pytest
+import torch
+from torch.distributed.tensor import Replicate
 
 from shardfn import plan as pl
 from shardfn.config import load_config
@@ -558,3 +561,30 @@ def test_plan_of_pipeline_stages_over_cp_is_the_runs(clean_process_group):
     for rank in plan.ranks:   # one layer per stage, two microbatches
         gathers = next(r for r in rank["comm"] if r["op"] == "all_gather" and r["axis"] == "cp")
         assert gathers["bytes"] == 2 * per_layer["all_gather"]
+
+
+def test_planner_and_auto_sharder_price_work_with_one_cost_model():
+    """The auto-sharder's per-op model, the traced plan and the run model share partition.cost.Rates:
+    the same collective or GEMM costs the same in each (h100: 80% of NVLink, Hopper's GEMM table)."""
+    from shardfn.partition.cost import CostModel, Rates
+    from shardfn.plan.estimate import collective_seconds
+    from shardfn.plan.layout import Layout, intra_node
+
+    hw = load_hardware("h100")
+    rates, n, size = Rates.of(hw), 8, 64 << 20
+    ring = (n - 1) / n * size / (0.8 * hw.intra_node_bandwidth) + (n - 1) * hw.intra_node_latency
+    layout = Layout(fsdp=n)
+    assert rates.collective_s("all_gather", size, n, True) == pytest.approx(ring)
+    assert CostModel((n,), hw).collective("all_gather", size, 0) == pytest.approx(ring)
+    assert collective_seconds(rates, layout, intra_node(layout, hw), "all_gather", "fsdp", 4 * size, 4) == (
+        pytest.approx(4 * ring))
+    # a bf16 GEMM of 4096^3 runs at Hopper's 79%, in the auto-sharder and in the run model alike
+    gemm = 2 * 4096 ** 3 / (0.79 * hw.peak_flops_bf16)
+    assert rates.gemm_s(4096, 4096, 4096, torch.bfloat16) == pytest.approx(gemm)
+    x = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    R = (Replicate(),)
+    per_op = CostModel((1,), hw).compute_time(torch.ops.aten.mm.default, (x, x), {}, x, [R, R], R)
+    assert per_op == pytest.approx(gemm + rates.memory_s(3 * x.numel() * 2))
+    one = runmodel.MatMul("w", k=4096, n=4096, share=1.0, experts=1, in_axis=None, out_axis=None, local_numel=0)
+    shape = types.SimpleNamespace(matmuls={"dense": (one,)}, top_k=1)  # what matmul_s reads of a Shape
+    assert runmodel.matmul_s(shape, "dense", 4096, Layout(), rates, torch.bfloat16) == pytest.approx(gemm)

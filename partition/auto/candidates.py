@@ -190,7 +190,7 @@ class Candidates:
         if n.op == "placeholder":
             opts = [self._intern(p) for p in strategies.placement_options(val.shape, self.mesh_shape)]
             # a tie-breaker: among plans of equal time, store inputs in fewer bytes per rank
-            hold = np.array([self.model.local_bytes(val, p) for p in opts]) / self.model.hardware.hbm_bandwidth
+            hold = np.array([self.model.rates.memory_s(self.model.local_bytes(val, p)) for p in opts])
             return self._intern(tuple(strategies.Strategy(p, ()) for p in opts)), _TIE_BREAK * hold
         target = n.target
         if n.op == "get_attr" or not self.inputs[i]:
