@@ -15,6 +15,7 @@ side its own previous step's outputs, runs one compute thread per process, and r
 median of the per-pair ratios, so load that comes and goes hits both sides of a pair alike.
 
     python benchmarks/bench_partition.py [--out benchmarks/results/bench_partition.json] [--quick] [--parts b]
+    python benchmarks/bench_partition.py --parts b --layouts fsdp partition.overlap=true
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def _module_step(cfg, params, layout: str, mesh):
     return step
 
 
-def _layout_worker(layout: str, pairs: int) -> dict:
+def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
     """On each of 2 gloo ranks: ``shardfn train``'s step on ``mesh.<layout>=2`` against the
     nn.Module under DDP / fully_shard, alternated, each fed its own previous outputs."""
     import torch.distributed as dist
@@ -149,7 +150,7 @@ def _layout_worker(layout: str, pairs: int) -> dict:
     from shardfn.runtime.build import build_step
 
     torch.set_num_threads(1)
-    cfg = load_config("llama_tiny", [*M, f"mesh.{layout}=2"])
+    cfg = load_config("llama_tiny", [*M, f"mesh.{layout}=2", *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
     tokens = data.from_config(cfg.data)
@@ -214,6 +215,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="alternated pairs per comparison")
     parser.add_argument("--quick", action="store_true", help="fewer steps and layer counts (smoke run)")
     parser.add_argument("--parts", default="a,b,c", help="which comparisons to run (a, b, c: see above)")
+    parser.add_argument("--layouts", default="dp,fsdp", help="(b): which layouts, comma-separated")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="(b): config overrides for shardfn's side, e.g. partition.overlap=true")
     args = parser.parse_args()
     steps = 3 if args.quick else args.steps
     parts = set(args.parts.split(","))
@@ -224,8 +228,8 @@ def main() -> None:
         result["one_rank"] = one_rank(steps)
         print(f"(a) 1 rank   partitioned/plain compile = {result['one_rank']['ratio']:.3f}x  (target <= 1.05)")
     torch_side = {"dp": "DistributedDataParallel", "fsdp": "fully_shard"}
-    for layout in (("dp", "fsdp") if "b" in parts else ()):
-        r = spawn(_layout_worker, 2, args=(layout, steps), timeout_s=900)[0]
+    for layout in (args.layouts.split(",") if "b" in parts else ()):
+        r = spawn(_layout_worker, 2, args=(layout, steps, tuple(args.overrides)), timeout_s=900)[0]
         result[f"{layout}2"] = r
         print(f"(b) {layout}2 vs {torch_side[layout]}: {r['ratio']:.3f}x  ({r['shardfn_s']*1e3:.1f} ms vs "
               f"{r['torch_s']*1e3:.1f} ms, median of {r['pairs']} alternated pairs; target <= 1.0)")
