@@ -32,6 +32,7 @@ A mesh dim is intra-node when the product of its size and every more-minor dim's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -95,34 +96,37 @@ class Rates:
         """Bytes a memory-bound kernel streams through HBM."""
         return nbytes / (self.hardware.hbm_bandwidth * self.efficiency.hbm)
 
+    @functools.cached_property
+    def links(self) -> Hardware:
+        """The profile with its link bandwidths at the bus bandwidth NCCL reaches (made once)."""
+        hw, eff = self.hardware, self.efficiency
+        return dataclasses.replace(hw, intra_node_bandwidth=hw.intra_node_bandwidth * eff.intra_bus,
+                                   inter_node_bandwidth=hw.inter_node_bandwidth * eff.inter_bus)
+
     def collective_s(self, op: str, nbytes: float, group: int, intra_node: bool) -> float:
         """One collective (sizes as :meth:`Hardware.collective_time`) at the bus bandwidth NCCL
         reaches."""
-        hw, eff = self.hardware, self.efficiency
-        achieved = dataclasses.replace(hw, intra_node_bandwidth=hw.intra_node_bandwidth * eff.intra_bus,
-                                       inter_node_bandwidth=hw.inter_node_bandwidth * eff.inter_bus)
-        return achieved.collective_time(op, nbytes, group, intra_node)
+        return self.links.collective_time(op, nbytes, group, intra_node)
 
     def all_to_all_s(self, nbytes: float, group: int, intra_node: bool) -> float:
         """An all-to-all of ``nbytes`` per rank under uniform routing: the share bound for other
         nodes crosses the NIC, the rest NVLink, at the same time."""
-        hw, eff = self.hardware, self.efficiency
         if group <= 1:
             return 0.0
         if intra_node:
             return self.collective_s("all_to_all", nbytes, group, intra_node)
-        off_node = nbytes * (1 - hw.gpus_per_node / group)
-        on_node = nbytes * (hw.gpus_per_node - 1) / group
-        return max(off_node / (hw.inter_node_bandwidth * eff.inter_bus),
-                   on_node / (hw.intra_node_bandwidth * eff.intra_bus)) + (group - 1) * hw.inter_node_latency
+        links = self.links
+        off_node = nbytes * (1 - links.gpus_per_node / group)
+        on_node = nbytes * (links.gpus_per_node - 1) / group
+        return (max(off_node / links.inter_node_bandwidth, on_node / links.intra_node_bandwidth)
+                + (group - 1) * links.inter_node_latency)
 
     def p2p_s(self, nbytes: float, intra_node: bool) -> float:
         """One point-to-point send of ``nbytes`` (a pipeline stage's activations)."""
         if nbytes <= 0:
             return 0.0
-        bw, alpha = self.hardware.link(intra_node)
-        bus = self.efficiency.intra_bus if intra_node else self.efficiency.inter_bus
-        return nbytes / (bw * bus) + alpha
+        bw, alpha = self.links.link(intra_node)
+        return nbytes / bw + alpha
 
 
 class Transition(NamedTuple):
@@ -188,15 +192,15 @@ class CostModel:
     def __init__(self, mesh_shape: Sequence[int], hardware: Hardware, device_mesh=None,
                  gathers_for_all_to_all: bool = False):
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
-        self.hardware = hardware
         self.rates = Rates.of(hardware)
+        self.hardware = self.rates.hardware
         self.device_mesh = device_mesh
         self.gathers_for_all_to_all = gathers_for_all_to_all
         intra = []
         span = 1
         for size in reversed(self.mesh_shape):
             span *= size
-            intra.append(span <= hardware.gpus_per_node)
+            intra.append(span <= self.hardware.gpus_per_node)
         self.intra_node = tuple(reversed(intra))
         self._transitions: dict = {}
 
