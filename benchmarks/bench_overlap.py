@@ -192,7 +192,7 @@ def _worker(layouts, pairs, warmup, backend):
     torch.set_num_threads(1)
     out = {}
     for name, overrides in layouts.items():
-        before = _step_program(overrides, old_moe_order=True)
+        before = _step_program([*overrides, "partition.overlap=false"], old_moe_order=True)
         after = _step_program([*overrides, "partition.overlap=true"], old_moe_order=False)
         exchange = _ReplayedExchange(dist)
         _timed(before[0], before[1], before[2], exchange, "record")  # what the exchange received

@@ -33,6 +33,7 @@ makes that rank SIGKILL itself, sleep forever, or raise when it calls ``progress
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import queue
@@ -140,6 +141,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
     global _progress
     os.setpgrp()
     _die_with_parent()
+    faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
     _progress = (rank, steps, times)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
