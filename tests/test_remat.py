@@ -79,9 +79,7 @@ def test_remat_is_bitwise_none_on_fsdp2():
 def _activations(config, remat_policy, mesh=("mesh.fsdp=2",)):
     from shardfn.plan.profile import lower_step
 
-    # the unscheduled program: the overlap pass's prefetched gathers would add their own bytes
-    cfg = load_config(config, ["train.batch_size=8", "train.seq_len=128", *mesh, f"train.remat={remat_policy}",
-                               "partition.overlap=false"])
+    cfg = load_config(config, ["train.batch_size=8", "train.seq_len=128", *mesh, f"train.remat={remat_policy}"])
     return lower_step(cfg).memory_report()["activations"]
 
 
