@@ -145,6 +145,19 @@ class Transition(NamedTuple):
 FREE = Transition(0.0, 0.0, ())
 
 
+def intra_node_dims(sizes: Sequence[int], gpus_per_node: int) -> tuple[bool, ...]:
+    """Per mesh dim, major to minor: does its group stay inside one node? It does when its size
+    times every more-minor dim's size fits in ``gpus_per_node`` (minor dims vary fastest).
+
+        intra_node_dims((4, 8), 8)   # (False, True)
+    """
+    out, span = [], 1
+    for size in reversed(sizes):
+        span *= size
+        out.append(span <= gpus_per_node)
+    return tuple(reversed(out))
+
+
 def local_shape(shape: Sequence[int], placements: Sequence, mesh_shape: Sequence[int]) -> list[int]:
     """Per-rank shape of an evenly divisible tensor under ``placements`` (a strided shard, which
     DTensor's redistribute may pass through, divides its dim like a shard)."""
@@ -196,12 +209,7 @@ class CostModel:
         self.hardware = self.rates.hardware
         self.device_mesh = device_mesh
         self.gathers_for_all_to_all = gathers_for_all_to_all
-        intra = []
-        span = 1
-        for size in reversed(self.mesh_shape):
-            span *= size
-            intra.append(span <= self.hardware.gpus_per_node)
-        self.intra_node = tuple(reversed(intra))
+        self.intra_node = intra_node_dims(self.mesh_shape, self.hardware.gpus_per_node)
         self._transitions: dict = {}
 
     # -- memory ------------------------------------------------------------------------------

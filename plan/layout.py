@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+from shardfn.partition.cost import intra_node_dims
 from shardfn.partition.errors import LayoutError
 from shardfn.partition.layouts import (
     AXIS_ORDER,
@@ -111,11 +112,8 @@ def intra_node(layout: Layout, hw) -> dict[str, bool]:
 
         intra_node(Layout(fsdp=8, dp=4), load_hardware("h100"))["dp"]   # False: 32 > 8 per node
     """
-    out, inner = {}, 1
-    for a in PLACEMENT_ORDER:
-        inner *= getattr(layout, a)
-        out[a] = inner <= hw.gpus_per_node
-    return out
+    flags = intra_node_dims([getattr(layout, a) for a in AXIS_ORDER], hw.gpus_per_node)  # major to minor
+    return dict(zip(PLACEMENT_ORDER, reversed(flags)))
 
 
 def _listed(layout: Layout) -> tuple[str, ...]:
