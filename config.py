@@ -191,9 +191,11 @@ class PartitionConfig:
     # say "25MiB"); 0 or null: one collective per tensor. 25 MiB is DDP's bucket_cap_mb default
     bucket_bytes: Union[int, None] = DEFAULT_BUCKET_BYTES
     # collectives issued as early as their inputs allow and waited on at first use
-    # (partition/overlap.py); overlap_bytes bounds the gathered bytes issued ahead ("64MiB";
+    # (partition/overlap.py); null: on where parameters are stored sharded (mesh.fsdp > 1), whose
+    # gathers it prefetches, measured faster there and not elsewhere (docs/passes.md);
+    # overlap_bytes bounds the gathered bytes issued ahead ("64MiB";
     # null: two layers' worth, FSDP's prefetch of one layer ahead)
-    overlap: bool = False
+    overlap: Union[bool, None] = None
     overlap_bytes: Union[int, None] = None
     # Megatron sequence parallelism over tp: between the matmul blocks the residual stream and the
     # norms hold 1/tp of the tokens (reduce-scatter after a block, all-gather before the next)

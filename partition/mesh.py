@@ -143,6 +143,10 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         backend = "nccl" if device == "cuda" else "gloo"
+        if backend == "gloo":
+            from shardfn.core._torch_private import one_gloo_worker_thread
+
+            one_gloo_worker_thread()  # collectives in flight together are safe on one gloo thread
         dist.init_process_group(backend)
         return
     if size == 1:

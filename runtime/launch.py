@@ -136,7 +136,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
 
     import torch.distributed as dist
 
-    from shardfn.core._torch_private import set_default_group_timeout
+    from shardfn.core._torch_private import one_gloo_worker_thread, set_default_group_timeout
 
     global _progress
     os.setpgrp()
@@ -150,6 +150,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // nproc))
     timeout = datetime.timedelta(seconds=timeout_s)
     set_default_group_timeout(timeout)  # the subgroups a DeviceMesh creates get it too (default 30 min)
+    one_gloo_worker_thread()  # collectives in flight together are safe on one gloo thread, not two
     try:
         dist.init_process_group("gloo", timeout=timeout)
         out = fn(*args)

@@ -137,13 +137,25 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
                 jitted=jitted, comm_report=report("comm_report"), memory_report=report("memory_report"))
 
 
+def overlaps(cfg) -> bool:
+    """Whether the run's per-rank program is scheduled by the overlap pass: ``partition.overlap``,
+    or where it is null, whether parameters are stored sharded (``mesh.fsdp > 1``): the FSDP
+    gathers it prefetches are where it was measured to pay (docs/passes.md).
+
+        overlaps(load_config("llama_tiny", ["mesh.fsdp=2"]))   # True
+    """
+    if cfg.partition.overlap is not None:
+        return bool(cfg.partition.overlap)
+    return cfg.mesh.fsdp > 1
+
+
 def _passes(cfg) -> dict | None:
     """The graph passes a run config asks for: ``train.remat`` after trace, ``partition.overlap``
     after lower (``docs/passes.md``)."""
     passes = {}
     if cfg.train.remat != "none":
         passes["after_trace"] = [remat_pass(cfg.train.remat)]
-    if cfg.partition.overlap:
+    if overlaps(cfg):
         from shardfn.partition.overlap import overlap_pass
 
         passes["after_lower"] = [overlap_pass(cfg.partition.overlap_bytes)]

@@ -16,6 +16,8 @@ from shardfn.core.pytree import tree_leaves
 from shardfn.partition import overlap as ov
 
 FSDP = ["train.batch_size=8", "train.seq_len=32", "mesh.fsdp=2", "model.n_layers=4"]
+PLAIN = ["partition.overlap=false"]  # the unscheduled program (the pass is on by default under fsdp)
+ON = ["partition.overlap=true"]
 
 
 def _lowered(config, overrides):
@@ -54,10 +56,38 @@ def _prefetched(gm, n_layers):
     return forward, backward
 
 
+def test_the_pass_is_on_by_default_where_parameters_are_stored_sharded():
+    from shardfn.runtime.partitioned import overlaps
+
+    assert overlaps(load_config("llama_tiny", ["mesh.fsdp=2"]))
+    assert overlaps(load_config("llama_tiny", ["mesh.fsdp=2", "mesh.tp=2"]))
+    assert not overlaps(load_config("llama_tiny", ["mesh.dp=2"]))
+    assert not overlaps(load_config("llama_tiny", ["mesh.ep=2"]))
+    assert not overlaps(load_config("llama_tiny", ["mesh.fsdp=2", *PLAIN]))
+    assert overlaps(load_config("llama_tiny", ["mesh.dp=2", *ON]))
+
+
+def test_gloo_groups_run_collectives_on_one_worker_thread(clean_process_group):
+    # several collectives in flight at once on gloo's default two worker threads corrupted the
+    # heap (an fsdp2 rank died in malloc in about half the runs); the launchers ask for one
+    # (tests/test_remat.py checks the ranks spawn starts)
+    import torch.distributed as dist
+
+    from shardfn.core._torch_private import one_gloo_worker_thread
+
+    one_gloo_worker_thread()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    cpu = torch.device("cpu")
+    for group in (dist.group.WORLD, dist.new_group([0])):  # the default group and a mesh's subgroup
+        assert group._get_backend(cpu).options._threads == 1
+    works = [dist.all_reduce(torch.full((4,), float(i)), async_op=True) for i in range(3)]
+    assert all(w.wait() for w in works)
+
+
 def test_fsdp2_gathers_are_issued_one_layer_ahead(clean_process_group):
-    plain = _lowered("llama_tiny", FSDP)
+    plain = _lowered("llama_tiny", FSDP + PLAIN)
     assert _prefetched(plain, 4) == (False, False)  # issued where used, waited on at once
-    gm = _lowered("llama_tiny", FSDP + ["partition.overlap=true"])
+    gm = _lowered("llama_tiny", FSDP)
     assert _prefetched(gm, 4) == (True, True)
     # every collective is still waited on, before its first use, in the same order on every rank
     plain_order = [n.target for n in plain.graph.nodes if ov.is_collective(n)]
@@ -94,9 +124,9 @@ def _early_bytes_peak(plain, gm):
 
 @pytest.mark.parametrize("layers", [0, 1])
 def test_memory_bound_holds(layers, clean_process_group):
-    plain = _lowered("llama_tiny", FSDP)
+    plain = _lowered("llama_tiny", FSDP + PLAIN)
     one_layer = ov.layer_bytes(plain)
-    gm = ov.overlap(_lowered("llama_tiny", FSDP), max_bytes=layers * one_layer)
+    gm = ov.overlap(_lowered("llama_tiny", FSDP + PLAIN), max_bytes=layers * one_layer)
     peak = _early_bytes_peak(plain, gm)
     assert peak <= layers * one_layer
     assert (peak > 0) == (layers > 0)  # 0: no gather moves ahead of its compute
@@ -186,8 +216,8 @@ def test_overlapped_programs_are_bitwise_the_plain_ones():
 
     # pairs (before, after): fsdp2 without and with the pass; ep2 with the shared experts after
     # the routed ones and no pass, against the shared experts in the exchange and the pass
-    runs = [("llama_tiny", ["mesh.fsdp=2"], False), ("llama_tiny", ["mesh.fsdp=2", "partition.overlap=true"], False),
-            ("moe_tiny", ["mesh.ep=2"], True), ("moe_tiny", ["mesh.ep=2", "partition.overlap=true"], False)]
+    runs = [("llama_tiny", ["mesh.fsdp=2", *PLAIN], False), ("llama_tiny", ["mesh.fsdp=2"], False),
+            ("moe_tiny", ["mesh.ep=2", *PLAIN], True), ("moe_tiny", ["mesh.ep=2", *ON], False)]
     out = spawn(_worker, 2, args=(runs,), timeout_s=600)
     for rank in out:
         for ref, got in zip(rank[::2], rank[1::2]):

@@ -19,7 +19,9 @@ holds the rest:
   (:func:`clear_sharding_cache`).
 - ``FakeTensorMode`` (:func:`fake_mode`): tensors with shapes and dtypes and no storage.
 - c10d's default process-group timeout, which the subgroups of a ``DeviceMesh`` inherit
-  (:func:`set_default_group_timeout`).
+  (:func:`set_default_group_timeout`), and the number of worker threads each gloo group runs
+  its collectives on (:func:`one_gloo_worker_thread`; ``init_process_group`` ignores gloo's
+  options in torch 2.13).
 - ``torch.utils._pytree`` (:func:`tree_flatten`): an op's ``(args, kwargs)`` flattened the way
   DTensor's dispatcher sees them; ``torch._ops.OpOverload`` (:data:`OpOverload`); a DTensor's
   ``DTensorSpec`` (:func:`dtensor_spec`).
@@ -31,6 +33,7 @@ holds the rest:
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -237,6 +240,40 @@ def set_default_group_timeout(timeout) -> None:
     import torch.distributed.distributed_c10d as c10d
 
     c10d.default_pg_timeout = timeout
+
+
+def one_gloo_worker_thread() -> None:
+    """Every gloo process group created from now on (the default group and the subgroups a
+    ``DeviceMesh`` makes) runs its collectives on one worker thread instead of gloo's two.
+
+    Still asynchronous to the caller: a functional collective's ``wait_tensor`` is where the
+    caller blocks. With two worker threads, two collectives in flight at once on one group
+    (an FSDP gather prefetched while another is running) corrupted the heap: a rank died with
+    ``malloc(): unaligned tcache chunk detected`` in about half of the runs of an fsdp2 step
+    with the overlap pass (docs/passes.md); with one worker thread, none did. On this two-core
+    machine one thread is also the one core the rank can spare. Idempotent.
+
+        one_gloo_worker_thread(); dist.init_process_group("gloo")
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "_shardfn_one_thread", False):
+        return
+
+    class OneThreadGloo(base):
+        _shardfn_one_thread = True
+
+        def __init__(self, store, rank, size, timeout=c10d.default_pg_timeout):
+            options = base._Options()
+            options._threads = 1
+            options._timeout = timeout
+            names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+            options._devices = ([base.create_device(interface=n) for n in names] if names
+                                else [base.create_default_device()])  # as gloo's own constructor
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneThreadGloo
 
 
 def ops_intercepted() -> bool:
