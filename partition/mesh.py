@@ -140,14 +140,12 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
 
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
         return
+    from shardfn.core._torch_private import one_gloo_worker_thread
+
+    one_gloo_worker_thread()  # every gloo group made below: collectives in flight together are safe on one thread
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        backend = "nccl" if device == "cuda" else "gloo"
-        if backend == "gloo":
-            from shardfn.core._torch_private import one_gloo_worker_thread
-
-            one_gloo_worker_thread()  # collectives in flight together are safe on one gloo thread
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
         return
     if size == 1:
         # A one-device mesh needs no launcher: a private single-rank gloo group.
