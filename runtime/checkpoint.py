@@ -186,9 +186,22 @@ def _dcp_call():
         try:
             yield
         except CheckpointException as e:
-            if any(isinstance(exc, KeyboardInterrupt) for exc, _ in e.failures.values()):
+            if any(_interrupted(exc) for exc, _ in e.failures.values()):
                 raise KeyboardInterrupt from e
             raise
+
+
+def _interrupted(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is a Ctrl-C or was raised while handling one: a ``KeyboardInterrupt`` inside
+    ``torch.save`` surfaces as the zip writer's ``RuntimeError`` from its ``__exit__``, with the
+    interrupt as its context."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _barrier() -> None:

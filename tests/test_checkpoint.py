@@ -114,20 +114,34 @@ def test_keep_k_and_incomplete_saves_are_never_latest(tmp_path):
     assert ck.latest_checkpoint(tmp_path).name == "step_00000010"
 
 
-def test_ctrl_c_inside_a_save_is_a_keyboard_interrupt_and_publishes_nothing(tmp_path, monkeypatch):
-    """DCP catches a Ctrl-C in its writer and wraps it in a CheckpointException: the save raises
-    KeyboardInterrupt again (so the run stops with 130 and its resume line) and leaves the last
-    complete checkpoint the latest."""
+def _interrupted_fsync(_fd):
+    raise KeyboardInterrupt
+
+
+def _interrupted_torch_save(*_args, **_kwargs):
+    """What a Ctrl-C inside ``torch.save`` looks like: the zip writer's ``__exit__`` runs while the
+    interrupt unwinds and raises its own error, with the interrupt as its context."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+@pytest.mark.parametrize("where", ["fsync", "torch.save"])
+def test_ctrl_c_inside_a_save_is_a_keyboard_interrupt_and_publishes_nothing(tmp_path, monkeypatch, where):
+    """DCP catches a Ctrl-C in its writer and wraps it in a CheckpointException, sometimes behind
+    the error torch.save's cleanup raised: the save raises KeyboardInterrupt again (so the run
+    stops with 130 and its resume line) and leaves the last complete checkpoint the latest."""
     from shardfn.core import optim
 
     params = {"w": torch.arange(4.0)}
     state = optim.adamw(0.1).init(params)
     ck.save_checkpoint(tmp_path, 1, params, state)
 
-    def interrupted(_fd):
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(os, "fsync", interrupted)
+    if where == "fsync":
+        monkeypatch.setattr(os, "fsync", _interrupted_fsync)
+    else:
+        monkeypatch.setattr(torch, "save", _interrupted_torch_save)
     with pytest.raises(KeyboardInterrupt):
         ck.save_checkpoint(tmp_path, 2, params, state)
     monkeypatch.undo()
