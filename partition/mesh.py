@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from shardfn.core._torch_private import gloo_worker_threads, one_gloo_worker_thread
+
 _LAUNCH_HINT = (
     "launch one process per rank, e.g. `torchrun --nproc-per-node N ...` or "
     "`shardfn train --nproc N ...`, or pass fake=True to plan without running collectives"
@@ -98,6 +100,18 @@ class Mesh:
                 return name
         raise KeyError(f"no mesh axis owns process group {group_name!r}")
 
+    def gloo_worker_threads(self) -> int | None:
+        """The most worker threads any of this mesh's gloo groups runs its collectives on; None
+        where it has none (nccl, fake). Groups shardfn creates have one; a default group made by
+        ``init_process_group("gloo")`` before the mesh keeps gloo's two.
+
+            Mesh({"fsdp": 2}).gloo_worker_threads()   # 1 under `shardfn train --nproc 2`
+        """
+        if self.fake or self.device_mesh is None:
+            return None
+        counts = [gloo_worker_threads(self.device_mesh.get_group(d)) for d in self.dims]
+        return max((c for c in counts if c is not None), default=None)
+
     def sub(self, names) -> "Mesh":
         """The mesh of the axes ``names`` through this rank (the others held at its coordinate):
         a pipeline stage's mesh is ``mesh.sub(["dp", "fsdp", "ep", "tp"])``. Its collectives run on
@@ -130,6 +144,10 @@ class Mesh:
 
 
 def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
+    if not fake:
+        # every gloo group made from here on (this one, the mesh's subgroups): collectives in flight
+        # together are safe on one worker thread; a group made before keeps its own count
+        one_gloo_worker_thread()
     if dist.is_initialized():
         if fake and dist.get_backend() == "fake" and dist.get_world_size() != size:
             dist.destroy_process_group()  # planning another world size in the same process
@@ -140,9 +158,6 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
 
         dist.init_process_group("fake", store=fake_store(), rank=0, world_size=size)
         return
-    from shardfn.core._torch_private import one_gloo_worker_thread
-
-    one_gloo_worker_thread()  # every gloo group made below: collectives in flight together are safe on one thread
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
         dist.init_process_group("nccl" if device == "cuda" else "gloo")

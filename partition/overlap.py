@@ -199,6 +199,7 @@ def overlap(gm: fx.GraphModule, max_bytes: int | None = None) -> fx.GraphModule:
         lowered = sf.jit(step, mesh, ..., fsdp_argnums=(0,)).lower(params, opt_state, batch)
         gm = overlap(lowered.graph_module)
     """
+    _check_groups(gm)
     order = schedule(gm, max_bytes)
     graph = gm.graph
     _check_topological(order)
@@ -236,6 +237,37 @@ def issue_order(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
             waits = [u for u in node.users if is_wait(u)]
             out.append((node.name, pos[node], min((pos[w] for w in waits), default=pos[node])))
     return out
+
+
+def group_name(node: fx.Node) -> str | None:
+    """The process group a functional collective runs on (its ``group_name`` argument).
+
+        {group_name(n) for n in gm.graph.nodes if is_collective(n)}   # {'1', '2'}
+    """
+    names = [a for a in node.args if isinstance(a, str)]
+    return names[-1] if names else node.kwargs.get("group_name")
+
+
+def _check_groups(gm: fx.GraphModule) -> None:
+    """Refuse a program whose collectives run on a gloo group with more than one worker thread:
+    with several collectives in flight at once on such a group, a rank's heap was corrupted
+    (docs/passes.md); the groups shardfn creates have one."""
+    from shardfn.core._torch_private import gloo_worker_threads
+
+    seen = set()
+    for node in gm.graph.nodes:
+        if not is_collective(node) or (name := group_name(node)) in seen:
+            continue
+        seen.add(name)
+        threads = gloo_worker_threads(name) if name is not None else None
+        if threads is not None and threads > 1:
+            raise RuntimeError(
+                f"overlap: {node.name} ({_name(node)}) runs on gloo process group {name!r}, which has {threads} "
+                "worker threads; with several collectives in flight at once, such a group corrupted memory "
+                "(docs/passes.md). Let shardfn create the process group (build the Mesh before any "
+                "init_process_group: it reads the torchrun variables, as `shardfn train --nproc N` sets them), "
+                "or call shardfn.partition.mesh.one_gloo_worker_thread() before your init_process_group, or run "
+                "without the pass (partition.overlap=false; no overlap_pass in sf.jit's passes)")
 
 
 def _name(node: fx.Node) -> str:

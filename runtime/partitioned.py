@@ -13,6 +13,7 @@ are reduce-scattered, under ``dp`` all-reduced). Model code is untouched.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import optree
@@ -109,7 +110,8 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         out_specs=(specs["params"], specs["opt_state"], P()),
         fsdp_argnums=fsdp, backend=backend, arg_names=("params", "opt_state", "batch"),
         reshard_after_forward=reshard_after_forward(cfg), bucket_bytes=cfg.partition.bucket_bytes,
-        passes=_passes(cfg), sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in mesh.axes else (),
+        passes=_passes(cfg, mesh),
+        sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in mesh.axes else (),
     )
     last: dict = {}
     split = seq_split(specs["rules"], mesh.axes)
@@ -137,25 +139,38 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
                 jitted=jitted, comm_report=report("comm_report"), memory_report=report("memory_report"))
 
 
-def overlaps(cfg) -> bool:
+def overlaps(cfg, mesh=None) -> bool:
     """Whether the run's per-rank program is scheduled by the overlap pass: ``partition.overlap``,
     or where it is null, whether parameters are stored sharded (``mesh.fsdp > 1``): the FSDP
-    gathers it prefetches are where it was measured to pay (docs/passes.md).
+    gathers it prefetches are where it was measured to pay (docs/passes.md). A null also leaves
+    the pass off, with a warning, on a ``mesh`` whose gloo groups run on more than one worker
+    thread (a process group made before the mesh), which the pass is not safe on.
 
         overlaps(load_config("llama_tiny", ["mesh.fsdp=2"]))   # True
     """
     if cfg.partition.overlap is not None:
         return bool(cfg.partition.overlap)
-    return cfg.mesh.fsdp > 1
+    if cfg.mesh.fsdp <= 1:
+        return False
+    threads = mesh.gloo_worker_threads() if mesh is not None else None
+    if threads is not None and threads > 1:
+        warnings.warn(
+            f"partition.overlap is off for this run: the mesh's gloo process group runs on {threads} worker "
+            "threads (it was created before the mesh), and several collectives in flight at once corrupted "
+            "memory on such a group (docs/passes.md). To have the pass, let the Mesh create the process group, "
+            "or call shardfn.partition.mesh.one_gloo_worker_thread() before init_process_group",
+            stacklevel=2)
+        return False
+    return True
 
 
-def _passes(cfg) -> dict | None:
-    """The graph passes a run config asks for: ``train.remat`` after trace, ``partition.overlap``
-    after lower (``docs/passes.md``)."""
+def _passes(cfg, mesh=None) -> dict | None:
+    """The graph passes a run config asks for on ``mesh``: ``train.remat`` after trace,
+    ``partition.overlap`` after lower (``docs/passes.md``)."""
     passes = {}
     if cfg.train.remat != "none":
         passes["after_trace"] = [remat_pass(cfg.train.remat)]
-    if overlaps(cfg):
+    if overlaps(cfg, mesh):
         from shardfn.partition.overlap import overlap_pass
 
         passes["after_lower"] = [overlap_pass(cfg.partition.overlap_bytes)]

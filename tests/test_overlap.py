@@ -84,6 +84,65 @@ def test_gloo_groups_run_collectives_on_one_worker_thread(clean_process_group):
     assert all(w.wait() for w in works)
 
 
+@pytest.fixture
+def two_thread_gloo(monkeypatch, clean_process_group):
+    """A default gloo group made the way a user's own ``init_process_group("gloo")`` makes it
+    before any shardfn code runs: with gloo's two worker threads."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from shardfn.core._torch_private import gloo_worker_threads, one_gloo_worker_thread
+
+    one_gloo_worker_thread()  # c10d's class is ours now (another test may have done it first)
+    monkeypatch.setattr(c10d, "ProcessGroupGloo", c10d.ProcessGroupGloo.__mro__[1])  # gloo's own
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.undo()
+    assert gloo_worker_threads(dist.group.WORLD) == 2
+    return dist.group.WORLD
+
+
+def _all_reduced(group):
+    import torch.distributed._functional_collectives as funcol
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(lambda x: funcol.all_reduce(x * 2, "sum", group) + 1)(torch.ones(4))
+
+
+def test_the_pass_refuses_a_program_on_a_gloo_group_with_two_worker_threads(two_thread_gloo):
+    import torch.distributed as dist
+
+    gm = _all_reduced(two_thread_gloo)
+    name = two_thread_gloo.group_name
+    with pytest.raises(RuntimeError, match=rf"overlap: all_reduce \(.*\) runs on gloo process group '{name}', "
+                                           r"which has 2 worker threads; .*partition\.overlap=false"):
+        ov.overlap(gm)
+    one = dist.new_group([0])  # made after shardfn's call: one thread, so the pass schedules it
+    gm = ov.overlap(_all_reduced(one))
+    assert torch.equal(gm(torch.ones(4)), torch.full((4,), 3.0))
+
+
+def test_the_default_leaves_the_pass_off_on_a_mesh_over_a_users_two_thread_group(two_thread_gloo):
+    import torch.distributed as dist
+
+    from shardfn.partition.mesh import Mesh
+    from shardfn.runtime.partitioned import overlaps
+
+    mesh = Mesh({"fsdp": 1})  # adopts the user's group
+    assert mesh.gloo_worker_threads() == 2
+    cfg = load_config("llama_tiny", ["mesh.fsdp=2"])
+    with pytest.warns(UserWarning, match="partition.overlap is off for this run: the mesh's gloo process group "
+                                         "runs on 2 worker threads"):
+        assert not overlaps(cfg, mesh)
+    assert overlaps(load_config("llama_tiny", ["mesh.fsdp=2", *ON]), mesh)  # asked for: the pass refuses it
+    from shardfn.core._torch_private import gloo_worker_threads
+
+    assert gloo_worker_threads(dist.new_group([0])) == 1  # a subgroup made after the mesh adopted it: one
+    dist.destroy_process_group()
+    mesh = Mesh({"fsdp": 1})  # the mesh makes the group: one thread, the pass on
+    assert mesh.gloo_worker_threads() == 1
+    assert overlaps(cfg, mesh)
+
+
 def test_fsdp2_gathers_are_issued_one_layer_ahead(clean_process_group):
     plain = _lowered("llama_tiny", FSDP + PLAIN)
     assert _prefetched(plain, 4) == (False, False)  # issued where used, waited on at once

@@ -21,7 +21,7 @@ holds the rest:
 - c10d's default process-group timeout, which the subgroups of a ``DeviceMesh`` inherit
   (:func:`set_default_group_timeout`), and the number of worker threads each gloo group runs
   its collectives on (:func:`one_gloo_worker_thread`; ``init_process_group`` ignores gloo's
-  options in torch 2.13).
+  options in torch 2.13), read back by :func:`gloo_worker_threads`.
 - ``torch.utils._pytree`` (:func:`tree_flatten`): an op's ``(args, kwargs)`` flattened the way
   DTensor's dispatcher sees them; ``torch._ops.OpOverload`` (:data:`OpOverload`); a DTensor's
   ``DTensorSpec`` (:func:`dtensor_spec`).
@@ -274,6 +274,29 @@ def one_gloo_worker_thread() -> None:
             super().__init__(store, rank, size, options)
 
     c10d.ProcessGroupGloo = OneThreadGloo
+
+
+def gloo_worker_threads(group) -> int | None:
+    """How many worker threads a gloo process group (a ``ProcessGroup`` or its name, as a
+    functional collective's ``group_name`` argument holds it) runs its collectives on; None
+    for a group without a gloo backend (nccl, fake) or a name no live group has.
+
+        gloo_worker_threads(dist.group.WORLD)   # 2 unless one_gloo_worker_thread() came first
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    if isinstance(group, str):
+        try:
+            group = c10d._resolve_process_group(group)
+        except (KeyError, RuntimeError, ValueError):
+            return None
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    if not isinstance(backend, torch._C._distributed_c10d.ProcessGroupGloo):
+        return None
+    return backend.options._threads
 
 
 def ops_intercepted() -> bool:
