@@ -23,6 +23,14 @@ the same from the medians of the times.
 
 With ``--backend inductor`` each program is compiled, and a fourth variant, ``inductor_reorder``,
 is the ``before`` program compiled with inductor's own ``reorder_for_compute_comm_overlap``.
+
+``pp2_dualpipev`` (the same model on 2 pipeline ranks, DualPipeV, 4 microbatches) is timed as a
+whole pipeline step, whose communication is the P2P messages between its stages: ``before``
+waits on each receive where the schedule posts it, ``after`` where its tensor is read (the
+executor's default). It reports both step times and, per rank, the time blocked on P2P (posting
+and waiting; pipeline idling is in it too, so there is no compute-only variant).
+
+    python benchmarks/bench_overlap.py --layouts pp2_dualpipev --pairs 15
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ MODEL = ["model.dim=256", "model.n_layers=4", "train.batch_size=8", "train.seq_l
 LAYOUTS = {"fsdp2": ["mesh.fsdp=2"], "ep2": ["mesh.ep=2"],
            # gradients reduced one collective each (no bucket): each can start when its gradient is made
            "fsdp2_unbucketed": ["mesh.fsdp=2", "partition.bucket_bytes=0"],
-           "ep2_unbucketed": ["mesh.ep=2", "partition.bucket_bytes=0"]}
+           "ep2_unbucketed": ["mesh.ep=2", "partition.bucket_bytes=0"],
+           # DualPipeV on 2 pipeline ranks, each holding two stages (timed as a whole step, see _pipeline)
+           "pp2_dualpipev": ["mesh.pp=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"]}
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -186,12 +196,67 @@ def _compiled(gm, backend, **inductor_config):
     return run
 
 
+def _pipeline(overrides, pairs, warmup) -> list[dict]:
+    """Per pair, the pipeline step's seconds and this rank's seconds blocked on P2P (posting
+    and waiting), with each receive waited on where it is posted (``before``: the blocking
+    batches the schedule validator models) and where its tensor is read (``after``: a DualPipeV
+    pair's forward runs while the other chunk's gradient arrives)."""
+    import torch.distributed as dist
+
+    from shardfn import models
+    from shardfn.config import load_config
+    from shardfn.runtime import data
+    from shardfn.runtime.pipeline_step import build_pipeline_step
+
+    cfg = load_config("moe_tiny", [*MODEL, *overrides])
+    model = models.get(cfg.model_name)
+    params = model.init(cfg.model, 0)
+    step = build_pipeline_step(cfg, model, params, record=True)
+    local = step.scatter(params)
+    state = step.optimizer.init(local)
+    batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=cfg.train.batch_size,
+                           seq_len=cfg.train.seq_len, seed=0)
+
+    def timed(receive_at):
+        step.receive_at = receive_at
+        dist.barrier()
+        t = time.perf_counter()
+        step(local, state, batch)  # the same state every call: each call is the same step
+        seconds = time.perf_counter() - t
+        p2p = sum(e["end_ns"] - e["start_ns"] for e in step.last_run.events if e["kind"] == "P2P") / 1e9
+        return seconds, p2p
+
+    names = {"before": "post", "after": "use"}
+    for _ in range(warmup):
+        for v in names.values():
+            timed(v)
+    rows = []
+    for i in range(pairs):
+        row = {}
+        for v in (list(names) if i % 2 == 0 else list(names)[::-1]):
+            row[v], row[f"p2p_{v}"] = timed(names[v])
+        rows.append(row)
+    return rows
+
+
+def summarize_pipeline(rows: list[dict]) -> dict:
+    """Medians of the step seconds and P2P-blocked seconds, the share of ``before``'s blocked time
+    left ``after`` (of the medians), and the median of the per-pair speedups."""
+    out = {f"{k}_s": statistics.median(r[k] for r in rows) for k in rows[0]}
+    out.update({"p2p_left": out["p2p_after_s"] / out["p2p_before_s"] if out["p2p_before_s"] else float("nan"),
+                "speedup_after": statistics.median(r["before"] / r["after"] for r in rows), "pairs": len(rows)})
+    return out
+
+
 def _worker(layouts, pairs, warmup, backend):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     out = {}
     for name, overrides in layouts.items():
+        if any(o.startswith("mesh.pp=") for o in overrides):
+            out[name] = _pipeline(overrides, pairs, warmup)
+            continue
         before = _step_program([*overrides, "partition.overlap=false"], old_moe_order=True)
         after = _step_program([*overrides, "partition.overlap=true"], old_moe_order=False)
         exchange = _ReplayedExchange(dist)
@@ -252,9 +317,19 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     layouts = {k: LAYOUTS[k] for k in args.layouts.split(",")}
     per_rank = spawn(_worker, 2, args=(layouts, args.pairs, args.warmup, args.backend), timeout_s=900)
+    piped = {k for k, o in layouts.items() if any(x.startswith("mesh.pp=") for x in o)}
     result = {"model": "moe_tiny " + " ".join(MODEL), "ranks": 2, "threads_per_rank": 1, "backend": args.backend,
-              "layouts": {k: summarize(per_rank[0][k]) for k in layouts}, "raw_rank0": per_rank[0]}
+              "layouts": {k: (summarize_pipeline if k in piped else summarize)(per_rank[0][k]) for k in layouts},
+              "raw_rank0": per_rank[0], "raw_rank1": {k: per_rank[1][k] for k in piped}}
+    for k in piped:
+        s, other = result["layouts"][k], summarize_pipeline(per_rank[1][k])
+        print(f"{k}: step before {s['before_s'] * 1e3:7.1f} ms  after {s['after_s'] * 1e3:7.1f} ms "
+              f"({s['speedup_after']:.2f}x); blocked on P2P, rank 0: {s['p2p_before_s'] * 1e3:.1f} -> "
+              f"{s['p2p_after_s'] * 1e3:.1f} ms, rank 1: {other['p2p_before_s'] * 1e3:.1f} -> "
+              f"{other['p2p_after_s'] * 1e3:.1f} ms")
     for k, s in result["layouts"].items():
+        if k in piped:
+            continue
         others = [v[len("speedup_"):] for v in s if v.startswith("speedup_")]
         print(f"{k:6s} before {s['before_s'] * 1e3:7.1f} ms  compute {s['compute_s'] * 1e3:7.1f} ms  "
               f"comm {s['comm_s'] * 1e3:6.1f} ms  " + "  ".join(

@@ -5,8 +5,11 @@ stage programs of ``shardfn.partition.stages``: ``F`` runs a stage's forward and
 values its backward needs per ``(stage, microbatch)``; ``I`` turns the output gradient into the
 input gradient; ``W`` adds the parameter gradients into an accumulator; ``B`` is ``I`` then
 ``W``. Each run of adjacent communication actions is one ``batch_isend_irecv`` over the ``pp``
-process group, waited on before the next step (the blocking-batch semantics the schedule
-validator checks). Buffers have static shapes, known from the fake trace.
+process group, posted where the schedule puts it; a receive is waited on where its tensor is
+first used (the compute action that reads it), so a message travels while the compute before
+that runs: in DualPipeV's overlapped pairs, the backward's gradient arrives during the other
+chunk's forward. That only waits later than the blocking batches the schedule validator checks,
+so a validated schedule cannot deadlock. Buffers have static shapes, known from the fake trace.
 ``runtime.pipeline_step`` turns one run into a training step.
 
     out = run_schedule(pipe, get_schedule("1f1b", 2, 4), rank, held, microbatches, group=pp_group)
@@ -40,7 +43,8 @@ class RunResult:
         grads: ``stage -> {path: gradient}`` for this rank's stages, summed over microbatches
             with each loss scaled by ``1 / n_microbatches`` (the gradient of the mean loss).
         events: one dict per step (``name``, ``kind``, ``stage``, ``mb``, ``start_ns``,
-            ``end_ns``) when recording.
+            ``end_ns``; a compute step also ``in_flight``: the receives posted and not yet waited on as it
+            ran; a ``WAIT_`` step of kind ``P2P``: time blocked on the receive it reads) when recording.
         peak_saved_bytes: the most bytes of values held for backward at once (activations,
             saved tensors and pending messages; parameters excluded).
     """
@@ -86,6 +90,7 @@ class _Rank:
         self.cots: dict[tuple[int, int], torch.Tensor] = {}    # input gradients, for SEND_B or the previous local stage
         self.recv_x: dict[tuple[int, int], torch.Tensor] = {}
         self.recv_dy: dict[tuple[int, int], torch.Tensor] = {}
+        self.inflight: dict[tuple[str, int, int], tuple] = {}  # ("x" | "dy", stage, mb) -> (work, buffer, cell)
         self.pending_sends: list = []  # (work, tensor) of sends posted but not known to be done
         self.grads: dict[int, dict[str, torch.Tensor]] = {s: {} for s in schedule.stages_of(pp_rank)}
         self.losses: list[torch.Tensor] = []
@@ -138,8 +143,20 @@ class _Rank:
         self.I(a)
         self.W(a)
 
+    def awaited(self, a: Action) -> tuple[str, int, int] | None:
+        """The receive compute action ``a`` reads, while it is still in flight (else None)."""
+        key = ("x" if a.kind == "F" else "dy", a.stage, a.microbatch)
+        return key if key in self.inflight else None
+
+    def wait(self, key: tuple[str, int, int]) -> None:
+        """Wait for the in-flight receive ``key`` and file its buffer where its reader looks."""
+        work, t, _ = self.inflight.pop(key)
+        work.wait()
+        (self.recv_x if key[0] == "x" else self.recv_dy)[key[1:]] = t
+
     def communicate(self, batch: tuple[Action, ...]) -> None:
-        """Post ``batch`` as one ``batch_isend_irecv``; wait for its receives, not its sends."""
+        """Post ``batch`` as one ``batch_isend_irecv``; wait for none of it here (a receive is
+        waited on by its reader, a send at the end of the run)."""
         ops, recvs = [], []
         for a in batch:
             key, mb = (a.stage, a.microbatch), a.microbatch
@@ -153,24 +170,25 @@ class _Rank:
                     _tag(a.stage - 1, False, mb, self.m),
                     dist.irecv,
                 )
-                recvs.append((self.recv_x, key, t))
+                recvs.append((("x", *key), a.cell))
             else:  # RECV_B
                 t, tag, op = (
                     self.stages[a.stage].out_spec.empty(self.device),
                     _tag(a.stage + 1, True, mb, self.m),
                     dist.irecv,
                 )
-                recvs.append((self.recv_dy, key, t))
+                recvs.append((("dy", *key), a.cell))
             ops.append(dist.P2POp(op, t, group=self.group, group_peer=a.peer, tag=tag))
-        # Receives complete before the next step (the schedule's blocking-batch semantics); a send
-        # is only waited on once its rank needs nothing more from it (see docs/pipeline.md).
+        # A receive completes before the compute that reads it (no later than the schedule's
+        # blocking batches assume); a send is only waited on once its rank needs nothing more
+        # from it (see docs/pipeline.md).
+        received = iter(recvs)
         for p2p, work in zip(ops, dist.batch_isend_irecv(ops)):
             if p2p.op is dist.isend:
                 self.pending_sends.append((work, p2p.tensor))
             else:
-                work.wait()
-        for pool, key, t in recvs:
-            pool[key] = t
+                key, cell = next(received)
+                self.inflight[key] = (work, p2p.tensor, cell)
         self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
 
     def finish(self) -> torch.Tensor | None:
@@ -178,6 +196,9 @@ class _Rank:
         for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends = []
+        if self.inflight:
+            raise RuntimeError(f"rank {self.rank}: the schedule received {sorted(self.inflight)} "
+                               f"(kind, stage, microbatch) and never used it")
         if self.envs:
             raise RuntimeError(f"rank {self.rank}: the schedule left (stage, microbatch) {sorted(self.envs)} "
                                f"without a W or B")
@@ -187,7 +208,8 @@ class _Rank:
         """Bytes of distinct storages held for later actions (parameters excluded)."""
         seen, total = set(), 0
         pools = [self.acts, self.cots, self.recv_x, self.recv_dy, *self.envs.values(),
-                 {i: t for i, (_, t) in enumerate(self.pending_sends)}]
+                 {i: t for i, (_, t) in enumerate(self.pending_sends)},
+                 {k: t for k, (_, t, _) in self.inflight.items()}]
         for pool in pools:
             for v in pool.values():
                 if not isinstance(v, torch.Tensor):
@@ -209,6 +231,7 @@ def run_schedule(
     *,
     group: dist.ProcessGroup | None = None,
     record: bool = False,
+    receive_at: str = "use",
 ) -> RunResult:
     """Run ``schedule.actions[pp_rank]`` with ``pipe``'s stage programs.
 
@@ -220,12 +243,17 @@ def run_schedule(
         microbatches: ``schedule.n_microbatches`` dicts ``path -> tensor`` of batch leaves.
         group: the ``pp`` process group (None: the default group, whose ranks are the schedule's).
         record: time every step (for :func:`write_chrome_trace`) and track held bytes.
+        receive_at: ``"use"``: wait on each receive at the compute that reads it; ``"post"``: at
+            the batch that posts it (the blocking batches the validator models; for comparison).
 
     Example:
         out = run_schedule(pipe, get_schedule("1f1b", 2, 4), rank, held, mbs, group=pp_group)
         out.loss, out.grads[rank]["layers.w1"].shape
     """
     check_fit(pipe, schedule)
+    if receive_at not in ("use", "post"):
+        raise ValueError(f"receive_at={receive_at!r}: use 'use' (wait where the tensor is read) or 'post' "
+                         f"(wait where the receive is posted)")
     if schedule.n_ranks > 1 and not schedule.has_communication:
         schedule = add_communication(schedule)
     if len(microbatches) != schedule.n_microbatches:
@@ -246,15 +274,28 @@ def run_schedule(
             t0 = time.perf_counter_ns() if record else 0
             if a.is_comm:
                 rank.communicate(step)
+                if receive_at == "post":
+                    for key in list(rank.inflight):
+                        rank.wait(key)
             elif a.stage not in mine:
                 raise ValueError(f"rank {pp_rank} was given {a}, but stage {a.stage} lives on rank "
                                  f"{schedule.stage_to_rank[a.stage]}")
             else:
+                if (key := rank.awaited(a)) is not None:  # its input is still on the wire: wait, as P2P time
+                    rank.wait(key)
+                    if record:
+                        t1 = time.perf_counter_ns()
+                        events.append({"name": f"WAIT_{a.cell}", "kind": "P2P", "stage": a.stage,
+                                       "mb": a.microbatch, "start_ns": t0, "end_ns": t1, "rank": global_rank})
+                        t0 = t1
+                in_flight = [cell for _, _, cell in rank.inflight.values()] if record else None
                 getattr(rank, a.kind)(a)
             if record:
                 events.append({"name": "+".join(b.cell for b in step), "kind": "P2P" if a.is_comm else a.kind,
                                "stage": a.stage, "mb": a.microbatch, "start_ns": t0,
                                "end_ns": time.perf_counter_ns(), "rank": global_rank})
+                if not a.is_comm and in_flight:
+                    events[-1]["in_flight"] = in_flight  # receives completing behind this compute
                 peak = max(peak, rank.held_bytes())
     loss = rank.finish()
     return RunResult(loss, rank.grads, events, peak)
@@ -318,7 +359,8 @@ def write_chrome_trace(events: list[dict], path: str | os.PathLike) -> Path:
         trace.append({
             "name": e["name"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": 0,
             "ts": (e["start_ns"] - t0) / 1e3, "dur": (e["end_ns"] - e["start_ns"]) / 1e3,
-            "args": {"stage": e["stage"], "microbatch": e["mb"]},
+            "args": {"stage": e["stage"], "microbatch": e["mb"],
+                     **({"receives_in_flight": e["in_flight"]} if e.get("in_flight") else {})},
         })
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
     return path

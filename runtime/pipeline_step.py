@@ -96,6 +96,7 @@ class PipelineStep:
     last_run: RunResult | None = None
     last_grads: dict | None = None
     eager: list = field(default_factory=list)  # (op, axis, bytes) of the step's own collectives, last call
+    receive_at: str = "use"             # run_schedule's: wait on a receive where it is read ("post": where posted)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -136,7 +137,7 @@ class PipelineStep:
         held = self.layout.held(params_local)
         use = {s: self.programs[s].gather_params(held[s]) for s in self.stages}
         out = run_schedule(self.pipe, self.schedule, self.pp_rank, use, self.microbatches(global_batch),
-                           group=self.layout.pp_group, record=self.record)
+                           group=self.layout.pp_group, record=self.record, receive_at=self.receive_at)
         self.last_run = out
         grads = {s: self.programs[s].reduce_grads(out.grads[s]) for s in self.stages}
         grads = self._sum_tied(grads)

@@ -139,6 +139,47 @@ def test_pp2_dp2_every_schedule():
 # ------------------------------------------------------------------ one process
 
 
+def _recorded_worker(name, m):
+    import torch.distributed as dist
+
+    params, batch = tiny_params(), batches(1)[0]
+    sched = get_schedule(name, 2, m)
+    pipe = build_pipeline(tiny_loss, params, {k: v[: BATCH // m] for k, v in batch.items()}, sched.n_stages)
+    rank = dist.get_rank()
+    held = {s: stage_params(params, pipe, s) for s in sched.stages_of(rank)}
+    runs = {at: executor.run_schedule(pipe, sched, rank, held, executor.split_microbatches(batch, m), record=True,
+                                      receive_at=at) for at in ("post", "use")}
+    return {at: {"loss": out.loss, "grads": out.grads,
+                 "events": [(e["name"], e["kind"], e.get("in_flight", [])) for e in out.events]}
+            for at, out in runs.items()}
+
+
+def test_dualpipev_pairs_run_a_forward_while_the_other_chunks_gradient_arrives():
+    # rank 1 holds stages 1 and 2; its overlapped pair F2@s1 + B0@s2 posts RECV_B0@s2 before F2@s1
+    # and waits on it only at B0@s2, so the gradient travels while the forward computes
+    params, batch = tiny_params(), batches(1)[0]
+    ref_grads, ref_loss = torch.func.grad_and_value(tiny_loss)(params, batch)
+    runs = spawn(_recorded_worker, 2, args=("dualpipev", 4), timeout_s=120)
+    per_rank = [r["use"] for r in runs]
+    events = {name: (kind, in_flight) for name, kind, in_flight in per_rank[1]["events"]}
+    assert "RECV_B0@s2" in events["F2@s1"][1] and "RECV_B1@s2" in events["F3@s1"][1]
+    assert "RECV_F1@s1" in events["F0@s2"][1]  # the next forward's input, behind the other chunk's forward
+    steps = [n.split("+") for n, _, _ in per_rank[1]["events"]]
+    at = {cell: i for i, cells in enumerate(steps) for cell in cells}
+    assert at["RECV_B0@s2"] < at["F2@s1"] < at["B0@s2"]
+    assert all(kind == "P2P" for n, (kind, _) in events.items() if n.startswith("WAIT_"))
+    _close(per_rank[0]["loss"], ref_loss)  # rank 0 holds the last stage (s3)
+    pipe = build_pipeline(tiny_loss, params, {k: v[:2] for k, v in batch.items()}, 4)
+    for rank, stages in ((0, (0, 3)), (1, (1, 2))):
+        for s in stages:
+            for path, g in per_rank[rank]["grads"][s].items():
+                _close(g, stage_params(ref_grads, pipe, s)[path])
+                assert torch.equal(g, runs[rank]["post"]["grads"][s][path])  # bitwise those of blocking waits
+    # waiting where each receive is posted (the validator's blocking batches): nothing in flight
+    assert all(not in_flight for r in runs for _, _, in_flight in r["post"]["events"])
+    assert not any(n.startswith("WAIT_") for r in runs for n, _, _ in r["post"]["events"])
+
+
 @pytest.mark.parametrize("name", ["interleaved_1f1b", "zbh1"])
 def test_one_rank_schedule_hands_activations_over_locally(name, tmp_path):
     params, batch = tiny_params(), batches(1)[0]
@@ -172,6 +213,8 @@ def test_errors_name_the_fix():
         executor.split_microbatches(batch, 3)
     with pytest.raises(ValueError, match=r"needs an optimizer: a function norm -> GradientTransformation"):
         make_pipeline_step(pipe, get_schedule("1f1b", 1, 4), None)
+    with pytest.raises(ValueError, match=r"receive_at='later': use 'use' \(wait where the tensor is read\)"):
+        executor.run_schedule(pipe, get_schedule("interleaved_1f1b", 1, 4, 2), 0, {}, [], receive_at="later")
 
 
 # ------------------------------------------------------------------ llama_tiny from a run config
