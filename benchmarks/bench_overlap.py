@@ -248,13 +248,17 @@ def summarize_pipeline(rows: list[dict]) -> dict:
     return out
 
 
+def _pipelined(overrides) -> bool:
+    return any(o.startswith("mesh.pp=") for o in overrides)
+
+
 def _worker(layouts, pairs, warmup, backend):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     out = {}
     for name, overrides in layouts.items():
-        if any(o.startswith("mesh.pp=") for o in overrides):
+        if _pipelined(overrides):
             out[name] = _pipeline(overrides, pairs, warmup)
             continue
         before = _step_program([*overrides, "partition.overlap=false"], old_moe_order=True)
@@ -317,7 +321,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     layouts = {k: LAYOUTS[k] for k in args.layouts.split(",")}
     per_rank = spawn(_worker, 2, args=(layouts, args.pairs, args.warmup, args.backend), timeout_s=900)
-    piped = {k for k, o in layouts.items() if any(x.startswith("mesh.pp=") for x in o)}
+    piped = {k for k, o in layouts.items() if _pipelined(o)}
     result = {"model": "moe_tiny " + " ".join(MODEL), "ranks": 2, "threads_per_rank": 1, "backend": args.backend,
               "layouts": {k: (summarize_pipeline if k in piped else summarize)(per_rank[0][k]) for k in layouts},
               "raw_rank0": per_rank[0], "raw_rank1": {k: per_rank[1][k] for k in piped}}

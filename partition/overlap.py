@@ -239,15 +239,6 @@ def issue_order(gm: fx.GraphModule) -> list[tuple[str, int, int]]:
     return out
 
 
-def group_name(node: fx.Node) -> str | None:
-    """The process group a functional collective runs on (its ``group_name`` argument).
-
-        {group_name(n) for n in gm.graph.nodes if is_collective(n)}   # {'1', '2'}
-    """
-    names = [a for a in node.args if isinstance(a, str)]
-    return names[-1] if names else node.kwargs.get("group_name")
-
-
 def _check_groups(gm: fx.GraphModule) -> None:
     """Refuse a program whose collectives run on a gloo group with more than one worker thread:
     with several collectives in flight at once on such a group, a rank's heap was corrupted
@@ -256,10 +247,10 @@ def _check_groups(gm: fx.GraphModule) -> None:
 
     seen = set()
     for node in gm.graph.nodes:
-        if not is_collective(node) or (name := group_name(node)) in seen:
+        if not is_collective(node) or (name := node.args[-1]) in seen:  # its group_name, last as lowered
             continue
         seen.add(name)
-        threads = gloo_worker_threads(name) if name is not None else None
+        threads = gloo_worker_threads(name)
         if threads is not None and threads > 1:
             raise RuntimeError(
                 f"overlap: {node.name} ({_name(node)}) runs on gloo process group {name!r}, which has {threads} "

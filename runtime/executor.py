@@ -88,9 +88,9 @@ class _Rank:
         self.envs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.acts: dict[tuple[int, int], torch.Tensor] = {}    # stage outputs, for SEND_F or the next local stage
         self.cots: dict[tuple[int, int], torch.Tensor] = {}    # input gradients, for SEND_B or the previous local stage
-        self.recv_x: dict[tuple[int, int], torch.Tensor] = {}
-        self.recv_dy: dict[tuple[int, int], torch.Tensor] = {}
-        self.inflight: dict[tuple[str, int, int], tuple] = {}  # ("x" | "dy", stage, mb) -> (work, buffer, cell)
+        # posted receives until their reader takes them: ("x" | "dy", stage, mb) -> (work, buffer, cell),
+        # work None once waited on
+        self.received: dict[tuple[str, int, int], tuple] = {}
         self.pending_sends: list = []  # (work, tensor) of sends posted but not known to be done
         self.grads: dict[int, dict[str, torch.Tensor]] = {s: {} for s in schedule.stages_of(pp_rank)}
         self.losses: list[torch.Tensor] = []
@@ -103,7 +103,7 @@ class _Rank:
         st, key = self.stages[a.stage], (a.stage, a.microbatch)
         x = None
         if st.in_spec is not None:
-            x = self.acts.pop((a.stage - 1, a.microbatch)) if self.local(a.stage - 1) else self.recv_x.pop(key)
+            x = self.acts.pop((a.stage - 1, a.microbatch)) if self.local(a.stage - 1) else self.take(("x", *key))
         env = st.inputs_env(self.params[a.stage], x, self.microbatches[a.microbatch])
         st.F.run(env)
         y = env[st.y_name]
@@ -122,7 +122,7 @@ class _Rank:
         elif self.local(a.stage + 1):
             env["dy"] = self.cots.pop((a.stage + 1, a.microbatch))
         else:
-            env["dy"] = self.recv_dy.pop(key)
+            env["dy"] = self.take(("dy", *key))
         st.I.run(env)
         if st.dx_name is not None:
             self.cots[key] = env[st.dx_name]
@@ -146,13 +146,23 @@ class _Rank:
     def awaited(self, a: Action) -> tuple[str, int, int] | None:
         """The receive compute action ``a`` reads, while it is still in flight (else None)."""
         key = ("x" if a.kind == "F" else "dy", a.stage, a.microbatch)
-        return key if key in self.inflight else None
+        return key if self.received.get(key, (None,))[0] is not None else None
+
+    def in_flight(self) -> list[str]:
+        """The cells of the receives posted and not yet waited on."""
+        return [cell for work, _, cell in self.received.values() if work is not None]
 
     def wait(self, key: tuple[str, int, int]) -> None:
-        """Wait for the in-flight receive ``key`` and file its buffer where its reader looks."""
-        work, t, _ = self.inflight.pop(key)
-        work.wait()
-        (self.recv_x if key[0] == "x" else self.recv_dy)[key[1:]] = t
+        """Wait for the posted receive ``key`` (a no-op once done); its buffer stays for its reader."""
+        work, t, cell = self.received[key]
+        if work is not None:
+            work.wait()
+            self.received[key] = (None, t, cell)
+
+    def take(self, key: tuple[str, int, int]) -> torch.Tensor:
+        """The buffer of the receive ``key``, waited on."""
+        self.wait(key)
+        return self.received.pop(key)[1]
 
     def communicate(self, batch: tuple[Action, ...]) -> None:
         """Post ``batch`` as one ``batch_isend_irecv``; wait for none of it here (a receive is
@@ -188,7 +198,7 @@ class _Rank:
                 self.pending_sends.append((work, p2p.tensor))
             else:
                 key, cell = next(received)
-                self.inflight[key] = (work, p2p.tensor, cell)
+                self.received[key] = (work, p2p.tensor, cell)
         self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
 
     def finish(self) -> torch.Tensor | None:
@@ -196,8 +206,8 @@ class _Rank:
         for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends = []
-        if self.inflight:
-            raise RuntimeError(f"rank {self.rank}: the schedule received {sorted(self.inflight)} "
+        if self.received:
+            raise RuntimeError(f"rank {self.rank}: the schedule received {sorted(self.received)} "
                                f"(kind, stage, microbatch) and never used it")
         if self.envs:
             raise RuntimeError(f"rank {self.rank}: the schedule left (stage, microbatch) {sorted(self.envs)} "
@@ -207,9 +217,9 @@ class _Rank:
     def held_bytes(self) -> int:
         """Bytes of distinct storages held for later actions (parameters excluded)."""
         seen, total = set(), 0
-        pools = [self.acts, self.cots, self.recv_x, self.recv_dy, *self.envs.values(),
+        pools = [self.acts, self.cots, *self.envs.values(),
                  {i: t for i, (_, t) in enumerate(self.pending_sends)},
-                 {k: t for k, (_, t, _) in self.inflight.items()}]
+                 {k: t for k, (_, t, _) in self.received.items()}]
         for pool in pools:
             for v in pool.values():
                 if not isinstance(v, torch.Tensor):
@@ -275,7 +285,7 @@ def run_schedule(
             if a.is_comm:
                 rank.communicate(step)
                 if receive_at == "post":
-                    for key in list(rank.inflight):
+                    for key in list(rank.received):
                         rank.wait(key)
             elif a.stage not in mine:
                 raise ValueError(f"rank {pp_rank} was given {a}, but stage {a.stage} lives on rank "
@@ -288,7 +298,7 @@ def run_schedule(
                         events.append({"name": f"WAIT_{a.cell}", "kind": "P2P", "stage": a.stage,
                                        "mb": a.microbatch, "start_ns": t0, "end_ns": t1, "rank": global_rank})
                         t0 = t1
-                in_flight = [cell for _, _, cell in rank.inflight.values()] if record else None
+                in_flight = rank.in_flight() if record else None
                 getattr(rank, a.kind)(a)
             if record:
                 events.append({"name": "+".join(b.cell for b in step), "kind": "P2P" if a.is_comm else a.kind,
