@@ -19,6 +19,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from shardfn.core._torch_private import dtensor_wrapper
 from shardfn.partition import report
 from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
 from shardfn.partition.local_map import mesh_scope
@@ -45,6 +46,7 @@ class LoweredStep:
         self.announce = announce or log.info
         self.name = "the function"
         self._compiled = None
+        self._wrappers = None  # per output, built on the first call (_wrap_outputs)
         # regions that communicate by themselves (an MoE exchange) record what they moved
         self.records = [r.records for r in traced.regions if r.records is not None]
 
@@ -107,12 +109,21 @@ class LoweredStep:
         if first:  # torch.compile compiles on the first call
             self.announce(f"sf.jit: compiled {self.name} for {self.mesh} with {backend} and ran it once in "
                           f"{time.perf_counter() - start:.1f} s")
-        dmesh = self.mesh.device_mesh
-        wrapped = [
+        return optree.tree_unflatten(self.traced.out_treedef, self._wrap_outputs(outs))
+
+    def _wrap_outputs(self, outs) -> list[DTensor]:
+        """The program's local outputs as DTensors of the lowered placements and the traced
+        global shapes; each output's DTensor spec is built on the first call and reused. An
+        output with autograd history goes through ``DTensor.from_local``, which keeps the link."""
+        dmesh, placements, metas = self.mesh.device_mesh, self.lowered.out_placements, self.traced.out_meta
+        if self._wrappers is None:
+            self._wrappers = [dtensor_wrapper(dmesh, pl, meta.shape, meta.stride(), o.dtype)
+                              for o, pl, meta in zip(outs, placements, metas)]
+        return [
             DTensor.from_local(o, dmesh, pl, run_check=False, shape=meta.shape, stride=meta.stride())
-            for o, pl, meta in zip(outs, self.lowered.out_placements, self.traced.out_meta)
+            if o.requires_grad else wrap(o)
+            for o, wrap, pl, meta in zip(outs, self._wrappers, placements, metas)
         ]
-        return optree.tree_unflatten(self.traced.out_treedef, wrapped)
 
 
 PASS_POINTS = ("after_trace", "after_propagate", "after_lower")

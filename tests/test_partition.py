@@ -524,3 +524,28 @@ def test_head_major_qkv_on_tp2_matches_one_device():
     for rank in spawn(_qkv_worker, 2, timeout_s=120):
         for k in ref:
             torch.testing.assert_close(rank[k], ref[k], rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_are_what_from_local_gives_and_keep_autograd(clean_process_group):
+    """A call wraps its local outputs with specs built on the first call; each is the DTensor
+    ``DTensor.from_local`` would give, a fresh one every call, and one with autograd history
+    still passes gradients back."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = sf.Mesh({"fsdp": 2}, fake=True)
+    jitted = sf.jit(lambda p: {"w": p["w"] * 2, "s": p["w"].sum()}, mesh, in_specs=({"w": P("fsdp")},),
+                    out_specs={"w": P("fsdp"), "s": P()}, backend=None)
+    x = torch.arange(24.0).reshape(8, 3)
+    outs = [jitted({"w": x}) for _ in range(2)]
+    for out in outs:
+        local = out["w"].to_local()
+        ref = DTensor.from_local(local, mesh.device_mesh, (Shard(0),), run_check=False, shape=(8, 3), stride=(3, 1))
+        assert (out["w"].placements, out["w"].shape, out["w"].stride(), out["w"].dtype) == (
+            ref.placements, ref.shape, ref.stride(), ref.dtype)
+        assert torch.equal(local, 2 * x[:4]) and not out["w"].requires_grad
+    assert outs[0]["w"].to_local().data_ptr() != outs[1]["w"].to_local().data_ptr()
+    w = DTensor.from_local(x[:4].clone(), mesh.device_mesh, (Shard(0),), run_check=False).requires_grad_(True)
+    out = jitted({"w": w})["w"]
+    assert out.requires_grad
+    out.to_local().sum().backward()
+    assert torch.equal(w.grad.to_local(), torch.full((4, 3), 2.0))
