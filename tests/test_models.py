@@ -344,6 +344,23 @@ def reference_balance_loss(ref, tokens, c):
     return total
 
 
+def test_cross_entropy_is_torch_mean_to_the_bit_and_refuses_negative_targets():
+    """The mean over every position (sum / number of positions: no count of kept targets for a
+    mesh to all-reduce) gives F.cross_entropy's value and gradient bit for bit; a target torch
+    would ignore (-100) is an error, not a position silently left out of the mean."""
+    torch.manual_seed(0)
+    for shape in [(4, 64, 256), (3, 7, 11)]:
+        logits = torch.randn(*shape, requires_grad=True)
+        targets = torch.randint(0, shape[-1], shape[:2])
+        ours = llama.cross_entropy(logits, targets)
+        theirs = F.cross_entropy(logits.reshape(-1, shape[-1]), targets.reshape(-1))
+        assert torch.equal(ours, theirs)
+        assert torch.equal(*(torch.autograd.grad(x, logits)[0] for x in (ours, theirs)))
+    targets[0, 0] = -100
+    with pytest.raises(IndexError, match="Target -100 is out of bounds"):
+        llama.cross_entropy(logits, targets)
+
+
 def test_moe_aux_counts_every_routed_token():
     c = MOES["mla_sigmoid_groups"]
     params, batch = moe.init(c, 0), batch_of(c)

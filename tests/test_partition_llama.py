@@ -107,3 +107,6 @@ def test_dp2_all_reduces_each_gradient_once(planner):
     grads = [r for r in _rows(lowered, "all_reduce") if r["bytes"] > 64]
     assert sum(r["bytes"] for r in grads) == size_bytes(params)
     assert not _rows(lowered, "all_gather") and not _rows(lowered, "reduce_scatter")
+    # one scalar: the loss for the metrics (its mean divides by a constant, so no count of targets
+    # is all-reduced between the forward and the backward)
+    assert [r["bytes"] for r in _rows(lowered, "all_reduce") if r["bytes"] <= 64] == [4]
