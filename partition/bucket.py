@@ -8,12 +8,11 @@ last of its inputs is made (as DDP issues a bucket once its last gradient is rea
 
 - all-reduce: the tensors are flattened (in their memory order), concatenated, reduced once and
   split back into views with the strides the program had; a stacked layer's gradient that only
-  the reduction reads (``stack`` or ``cat`` of the per-layer gradients, dim 0) goes in as its parts, so
+  the reduction reads (``stack`` of the per-layer gradients, dim 0) goes in as its parts, so
   it is copied into the buffer once, not stacked first;
 - reduce-scatter (dim 0 over ``n`` ranks): each tensor is cut into its ``n`` row blocks, the
   blocks are interleaved so that rank ``r``'s block of every tensor lies in the ``r``-th
-  contiguous chunk of the buffer, and rank ``r``'s chunk is split back into its shards; a
-  stacked gradient's blocks are taken from its per-layer parts (one copy, as above).
+  contiguous chunk of the buffer, and rank ``r``'s chunk is split back into its shards.
 
 The bytes moved are unchanged (same elements, same reduction); the number of collectives, and
 with it the latency paid per collective, goes down. ``DEFAULT_BUCKET_BYTES`` is 25 MiB, the
@@ -187,7 +186,7 @@ def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
         graph.erase_node(member.wait)
         inp = member.collective.args[0]
         graph.erase_node(member.collective)
-        if inp.op == "call_function" and inp.target in _JOINS and not inp.users:
+        if inp.op == "call_function" and inp.target is _aten.stack.default and not inp.users:
             graph.erase_node(inp)  # its parts went into the bucket directly (_stacked_parts)
 
 
@@ -201,14 +200,11 @@ def _call(graph, target, args, val):
     return node
 
 
-_JOINS = (_aten.stack.default, _aten.cat.default)
-
-
-def _stacked_parts(inp: torch.fx.Node, reader: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The tensors ``inp`` stacks or concatenates along dim 0 when only ``reader`` reads it (a
-    stacked layer's gradient: the backward of its per-layer slices), else None. Their flat
-    values, one after another, are ``inp``'s, so a bucket copies them in once, not twice."""
-    if inp.op != "call_function" or inp.target not in _JOINS or list(inp.users) != [reader]:
+def _stacked_parts(inp: torch.fx.Node, collective: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The tensors ``inp`` stacks along dim 0 when only ``collective`` reads it (a stacked
+    layer's gradient: the backward of its per-layer slices), else None. Their flat values,
+    one after another, are the flat stack, so the bucket copies them in once, not twice."""
+    if inp.op != "call_function" or inp.target is not _aten.stack.default or list(inp.users) != [collective]:
         return None
     dim = inp.args[1] if len(inp.args) > 1 else inp.kwargs.get("dim", 0)
     return list(inp.args[0]) if dim == 0 else None
@@ -249,25 +245,16 @@ def _all_reduce_bucket(graph, bucket):
 
 def _reduce_scatter_bucket(graph, bucket):
     ranks = bucket.members[0].collective.args[2]
-    blocks, shards = [], []  # per member: rank r's block of it, for each r
+    blocks, shards = [], []
     for m in bucket.members:
         inp, out = m.collective.args[0], m.wait.meta["val"]
         per_rank = inp.meta["val"].numel() // ranks
-        parts = _stacked_parts(inp, m.collective)
-        if parts is not None and len(parts) % ranks == 0 and len({p.meta["val"].numel() for p in parts}) == 1:
-            k = len(parts) // ranks  # rank r's block is its share of the stacked layers, part by part
-            blocks.append([[_call(graph, _aten.reshape.default, (p, [-1]), _empty([per_rank // k], out))
-                            for p in parts[r * k:(r + 1) * k]] for r in range(ranks)])
-        else:
-            rows = _call(graph, _aten.reshape.default, (inp, [ranks, per_rank]), _empty([ranks, per_rank], out))
-            blocks.append([[_call(graph, _aten.select.int, (rows, 0, r), _empty([per_rank], out))]
-                           for r in range(ranks)])
+        blocks.append(_call(graph, _aten.reshape.default, (inp, [ranks, per_rank]), _empty([ranks, per_rank], out)))
         shards.append((per_rank, out))
     proto = shards[0][1]
     width = sum(n for n, _ in shards)
-    # rank r's chunk of the buffer: every member's block r, in member order
-    flats = [piece for r in range(ranks) for member in blocks for piece in member[r]]
-    buf = _call(graph, _aten.cat.default, (flats,), _empty([ranks * width], proto))
+    rows = _call(graph, _aten.cat.default, (blocks, 1), _empty([ranks, width], proto))
+    buf = _call(graph, _aten.reshape.default, (rows, [-1]), _empty([ranks * width], proto))
     coll = _call(graph, _c10d.reduce_scatter_tensor.default, (buf, *bucket.members[0].collective.args[1:]),
                  _empty([width], proto))
     done = _call(graph, _c10d.wait_tensor.default, (coll,), _empty([width], proto))

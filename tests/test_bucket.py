@@ -86,45 +86,34 @@ def _stacked_loss(p, x):
     return x.square().mean()
 
 
-def _stacked_step(p, x, spec=None):
+def _stacked_step(p, x):
     g, loss = torch.func.grad_and_value(_stacked_loss)(p, x)
-    if spec is not None:  # each gradient reduced onto the weights' layout, stacked
-        g = {k: sf.constrain(v, spec) for k, v in g.items()}
-    return {k: p[k] - 0.1 * torch.tanh(g[k]) for k in p}, loss
+    return {k: p[k] - 0.1 * torch.tanh(g[k]) for k in p}, loss  # tanh: the gradients reduced as stacked
 
 
-def _stacked_jit(layout, mesh, bucket_bytes):
-    axis = layout[:-1]  # "dp2" -> dp: replicated weights; "fsdp2" -> fsdp: stored split by layer
-    spec = P("fsdp") if axis == "fsdp" else P()
-    specs = {"w": spec, "u": spec}
-    return sf.jit(lambda p, x: _stacked_step(p, x, spec), mesh, in_specs=(specs, P(axis)), out_specs=(specs, P()),
-                  backend=None, bucket_bytes=bucket_bytes, fsdp_argnums=(0,) if axis == "fsdp" else ())
+def _stacked_jit(mesh, bucket_bytes):
+    specs = {"w": P(), "u": P()}
+    return sf.jit(_stacked_step, mesh, in_specs=(specs, P("dp")), out_specs=(specs, P()), backend=None,
+                  bucket_bytes=bucket_bytes)
 
 
 def _stacked_data():
     g = torch.Generator().manual_seed(0)
-    return {k: torch.randn(4, 8, 8, generator=g) / 3 for k in ("w", "u")}, torch.randn(4, 8, generator=g)
+    return {k: torch.randn(3, 8, 8, generator=g) / 3 for k in ("w", "u")}, torch.randn(4, 8, generator=g)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "fsdp2"])
-def test_a_stacked_gradient_goes_into_the_bucket_without_being_joined_first(layout, clean_process_group):
-    """The backward of a stacked weight's per-layer slices joins their gradients (a stack, or a
-    cat on a mesh); a bucket takes those parts directly (one copy into the flat buffer instead
-    of two), same bytes."""
-    mesh = sf.Mesh({layout[:-1]: 2}, fake=True)
-    kind = "all_reduce" if layout == "dp2" else "reduce_scatter"
+def test_a_stacked_gradient_goes_into_the_bucket_without_being_stacked_first(fake_dp):
+    """The backward of a stacked weight's per-layer slices stacks their gradients; a bucket takes
+    those parts directly (one copy into the flat buffer instead of two), same bytes."""
+    def ops(bucket_bytes):
+        lowered = _stacked_jit(fake_dp, bucket_bytes).lower(*_stacked_data())
+        return [str(n.target) for n in lowered.graph_module.graph.nodes if n.op == "call_function"], lowered
 
-    def joins_into(bucket_bytes):  # joins (stack / cat) whose result a gradient reduction reads
-        lowered = _stacked_jit(layout, mesh, bucket_bytes).lower(*_stacked_data())
-        graph = lowered.graph_module.graph
-        reduced = {n.args[0] for n in graph.nodes if n.op == "call_function" and kind in str(n.target)}
-        return [n for n in reduced if str(n.target) in ("aten.stack.default", "aten.cat.default")], lowered
-
-    plain_joins, plain = joins_into(None)
-    joins, lowered = joins_into(DEFAULT_BUCKET_BYTES)
-    assert len(plain_joins) == 2 and all(len(n.args[0]) == 4 for n in plain_joins)  # each layer's part
-    assert len(joins) == 1 and len(joins[0].args[0]) == 8  # the bucket: the 8 parts, copied in once
-    assert sum(r["bytes"] for r in lowered.comm_report()) == sum(r["bytes"] for r in plain.comm_report())
+    plain, plain_lowered = ops(None)
+    bucketed, lowered = ops(DEFAULT_BUCKET_BYTES)
+    assert plain.count("aten.stack.default") == 2
+    assert "aten.stack.default" not in bucketed and bucketed.count("aten.cat.default") == 1
+    assert sum(r["bytes"] for r in lowered.comm_report()) == sum(r["bytes"] for r in plain_lowered.comm_report())
 
 
 # ------------------------------------------------------------------ on two gloo ranks: the same numbers
@@ -141,10 +130,11 @@ def _parity_worker():
             out[(layout, bucket_bytes)] = {"loss": loss.full_tensor(),
                                            "params": {k: v.full_tensor() for k, v in new_p.items()},
                                            "comm": step.lower(p, x).comm_report()}
-        for bucket_bytes in BUCKETS[:2]:
-            new_p, loss = _stacked_jit(layout, mesh, bucket_bytes)(*_stacked_data())
-            out[("stacked", layout, bucket_bytes)] = {"loss": loss.full_tensor(),
-                                                      "params": {k: v.full_tensor() for k, v in new_p.items()}}
+        if layout == "dp2":
+            for bucket_bytes in BUCKETS[:2]:
+                new_p, loss = _stacked_jit(mesh, bucket_bytes)(*_stacked_data())
+                out[("stacked", bucket_bytes)] = {"loss": loss.full_tensor(),
+                                                  "params": {k: v.full_tensor() for k, v in new_p.items()}}
     return out  # both layouts' meshes on the one gloo group (a second init on the same port can race)
 
 
@@ -175,11 +165,10 @@ def test_bucketed_step_matches_unbucketed_and_one_device(parity_run, layout):
         torch.testing.assert_close(plain["loss"], ref_loss, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "fsdp2"])
-def test_a_bucketed_stacked_gradient_gives_the_same_bits(parity_run, layout):
+def test_a_bucketed_stacked_gradient_gives_the_same_bits(parity_run):
     ref_p, ref_loss = _stacked_step(*_stacked_data())
     for rank in parity_run:
-        plain, got = rank[("stacked", layout, None)], rank[("stacked", layout, DEFAULT_BUCKET_BYTES)]
+        plain, got = rank[("stacked", None)], rank[("stacked", DEFAULT_BUCKET_BYTES)]
         torch.testing.assert_close(got["loss"], plain["loss"], rtol=0, atol=0)
         for k in ref_p:
             torch.testing.assert_close(got["params"][k], plain["params"][k], rtol=0, atol=0)
