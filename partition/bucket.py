@@ -7,9 +7,7 @@ reductions of a backward, typically) are grouped in program order into buckets o
 last of its inputs is made (as DDP issues a bucket once its last gradient is ready):
 
 - all-reduce: the tensors are flattened (in their memory order), concatenated, reduced once and
-  split back into views with the strides the program had; a stacked layer's gradient that only
-  the reduction reads (``stack`` of the per-layer gradients, dim 0) goes in as its parts, so
-  it is copied into the buffer once, not stacked first;
+  split back into views with the strides the program had;
 - reduce-scatter (dim 0 over ``n`` ranks): each tensor is cut into its ``n`` row blocks, the
   blocks are interleaved so that rank ``r``'s block of every tensor lies in the ``r``-th
   contiguous chunk of the buffer, and rank ``r``'s chunk is split back into its shards.
@@ -184,10 +182,7 @@ def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
     for member, out in zip(bucket.members, outs):
         member.wait.replace_all_uses_with(out)
         graph.erase_node(member.wait)
-        inp = member.collective.args[0]
         graph.erase_node(member.collective)
-        if inp.op == "call_function" and inp.target is _aten.stack.default and not inp.users:
-            graph.erase_node(inp)  # its parts went into the bucket directly (_stacked_parts)
 
 
 def _order(graph: torch.fx.Graph) -> dict:
@@ -200,28 +195,12 @@ def _call(graph, target, args, val):
     return node
 
 
-def _stacked_parts(inp: torch.fx.Node, collective: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The tensors ``inp`` stacks along dim 0 when only ``collective`` reads it (a stacked
-    layer's gradient: the backward of its per-layer slices), else None. Their flat values,
-    one after another, are the flat stack, so the bucket copies them in once, not twice."""
-    if inp.op != "call_function" or inp.target is not _aten.stack.default or list(inp.users) != [collective]:
-        return None
-    dim = inp.args[1] if len(inp.args) > 1 else inp.kwargs.get("dim", 0)
-    return list(inp.args[0]) if dim == 0 else None
-
-
 def _all_reduce_bucket(graph, bucket):
     flats, layouts = [], []
     for m in bucket.members:
         inp, out = m.collective.args[0], m.wait.meta["val"]
         order = _memory_order(out)
         permuted = [out.shape[d] for d in order]
-        parts = _stacked_parts(inp, m.collective) if order == list(range(out.ndim)) else None
-        if parts is not None:
-            per_part = out.numel() // len(parts)
-            flats += [_call(graph, _aten.reshape.default, (p, [-1]), _empty([per_part], out)) for p in parts]
-            layouts.append((order, permuted, out))
-            continue
         src = inp
         if order != list(range(out.ndim)):
             src = _call(graph, _aten.permute.default, (inp, order), _empty(permuted, out))

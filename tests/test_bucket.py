@@ -77,45 +77,6 @@ def fake_dp(clean_process_group):
     return sf.Mesh({"dp": 2}, fake=True)
 
 
-# ------------------------------------------------------------------ stacked layers' gradients
-
-
-def _stacked_loss(p, x):
-    for w, u in zip(p["w"].unbind(0), p["u"].unbind(0)):  # stacked layers, sliced: the backward stacks
-        x = torch.tanh(x @ w) @ u
-    return x.square().mean()
-
-
-def _stacked_step(p, x):
-    g, loss = torch.func.grad_and_value(_stacked_loss)(p, x)
-    return {k: p[k] - 0.1 * torch.tanh(g[k]) for k in p}, loss  # tanh: the gradients reduced as stacked
-
-
-def _stacked_jit(mesh, bucket_bytes):
-    specs = {"w": P(), "u": P()}
-    return sf.jit(_stacked_step, mesh, in_specs=(specs, P("dp")), out_specs=(specs, P()), backend=None,
-                  bucket_bytes=bucket_bytes)
-
-
-def _stacked_data():
-    g = torch.Generator().manual_seed(0)
-    return {k: torch.randn(3, 8, 8, generator=g) / 3 for k in ("w", "u")}, torch.randn(4, 8, generator=g)
-
-
-def test_a_stacked_gradient_goes_into_the_bucket_without_being_stacked_first(fake_dp):
-    """The backward of a stacked weight's per-layer slices stacks their gradients; a bucket takes
-    those parts directly (one copy into the flat buffer instead of two), same bytes."""
-    def ops(bucket_bytes):
-        lowered = _stacked_jit(fake_dp, bucket_bytes).lower(*_stacked_data())
-        return [str(n.target) for n in lowered.graph_module.graph.nodes if n.op == "call_function"], lowered
-
-    plain, plain_lowered = ops(None)
-    bucketed, lowered = ops(DEFAULT_BUCKET_BYTES)
-    assert plain.count("aten.stack.default") == 2
-    assert "aten.stack.default" not in bucketed and bucketed.count("aten.cat.default") == 1
-    assert sum(r["bytes"] for r in lowered.comm_report()) == sum(r["bytes"] for r in plain_lowered.comm_report())
-
-
 # ------------------------------------------------------------------ on two gloo ranks: the same numbers
 
 
@@ -130,11 +91,6 @@ def _parity_worker():
             out[(layout, bucket_bytes)] = {"loss": loss.full_tensor(),
                                            "params": {k: v.full_tensor() for k, v in new_p.items()},
                                            "comm": step.lower(p, x).comm_report()}
-        if layout == "dp2":
-            for bucket_bytes in BUCKETS[:2]:
-                new_p, loss = _stacked_jit(mesh, bucket_bytes)(*_stacked_data())
-                out[("stacked", bucket_bytes)] = {"loss": loss.full_tensor(),
-                                                  "params": {k: v.full_tensor() for k, v in new_p.items()}}
     return out  # both layouts' meshes on the one gloo group (a second init on the same port can race)
 
 
@@ -162,17 +118,6 @@ def test_bucketed_step_matches_unbucketed_and_one_device(parity_run, layout):
             for k in ref_p:
                 torch.testing.assert_close(got["params"][k], plain["params"][k], rtol=0, atol=0)
                 torch.testing.assert_close(got["params"][k], ref_p[k], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(plain["loss"], ref_loss, rtol=1e-5, atol=1e-6)
-
-
-def test_a_bucketed_stacked_gradient_gives_the_same_bits(parity_run):
-    ref_p, ref_loss = _stacked_step(*_stacked_data())
-    for rank in parity_run:
-        plain, got = rank[("stacked", None)], rank[("stacked", DEFAULT_BUCKET_BYTES)]
-        torch.testing.assert_close(got["loss"], plain["loss"], rtol=0, atol=0)
-        for k in ref_p:
-            torch.testing.assert_close(got["params"][k], plain["params"][k], rtol=0, atol=0)
-            torch.testing.assert_close(got["params"][k], ref_p[k], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(plain["loss"], ref_loss, rtol=1e-5, atol=1e-6)
 
 
