@@ -8,7 +8,9 @@
     ``DistributedDataParallel`` and ``fully_shard`` with ``clip_grad_norm_`` and
     ``torch.optim.AdamW`` (foreach), from the same weights (target: <= 1.0x);
 (c) lowering time (trace + propagate + collectives) of llama as ``n_layers`` grows 2 -> 32
-    (must grow at most linearly).
+    (must grow at most linearly);
+(d) ``--ab A B``: shardfn's own step under two sets of overrides (each a space-separated list),
+    both built in the same 2 gloo processes, alternated (ratio A / B; above 1: B is faster).
 
 Every timed comparison alternates the two sides in pairs (the order flips every pair), feeds each
 side its own previous step's outputs, runs one compute thread per process, and reports the
@@ -16,6 +18,7 @@ median of the per-pair ratios, so load that comes and goes hits both sides of a 
 
     python benchmarks/bench_partition.py [--out benchmarks/results/bench_partition.json] [--quick] [--parts b]
     python benchmarks/bench_partition.py --parts b --layouts fsdp partition.overlap=true
+    python benchmarks/bench_partition.py --layouts dp --ab partition.overlap=false partition.overlap=true
 """
 
 from __future__ import annotations
@@ -179,6 +182,39 @@ def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
     return alternated(run_ours, run_theirs, pairs)
 
 
+def _ab_worker(layout: str, pairs: int, a: tuple, b: tuple) -> dict:
+    """On each of 2 gloo ranks: ``shardfn train``'s step on ``mesh.<layout>=2`` with overrides
+    ``a`` against the same with ``b``, alternated, each fed its own previous outputs."""
+    from shardfn import models
+    from shardfn.config import load_config
+    from shardfn.runtime import data
+    from shardfn.runtime.build import build_step
+
+    torch.set_num_threads(1)
+    runs = []
+    for overrides in (a, b):
+        cfg = load_config("llama_tiny", [*M, f"mesh.{layout}=2", *overrides])
+        model = models.get(cfg.model_name)
+        params = model.init(cfg.model, cfg.train.seed)
+        t = cfg.train
+        tokens = data.from_config(cfg.data)
+        batches = [data.get_batch(tokens, i, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
+                   for i in range(2 * pairs + 3)]
+        step = build_step(cfg, model, params)
+        state = [*step.place(params), 0]
+
+        def run(step=step, state=state, batches=batches):
+            state[0], state[1], metrics = step(state[0], state[1], batches[state[2]])
+            float(metrics["loss"])
+            state[2] += 1
+
+        for _ in range(3):  # lowering, allocator warm-up
+            run()
+        runs.append(run)
+    out = alternated(runs[0], runs[1], pairs)
+    return {"a_s": out["shardfn_s"], "b_s": out["torch_s"], "ratio": out["ratio"], "pairs": pairs}
+
+
 # ----------------------------------------------------------------------------- (c) lowering
 
 
@@ -216,6 +252,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps and layer counts (smoke run)")
     parser.add_argument("--parts", default="a,b,c", help="which comparisons to run (a, b, c: see above)")
     parser.add_argument("--layouts", default="dp,fsdp", help="(b): which layouts, comma-separated")
+    parser.add_argument("--ab", nargs=2, metavar=("A", "B"), default=None,
+                        help="(d): two sets of overrides for shardfn's step, each space-separated; "
+                             "runs only (d)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="(b): config overrides for shardfn's side, e.g. partition.overlap=true")
     args = parser.parse_args()
@@ -224,6 +263,14 @@ def main() -> None:
     from shardfn.runtime.launch import spawn
 
     result = {}
+    if args.ab:
+        a, b = (tuple(x.split()) for x in args.ab)
+        for layout in args.layouts.split(","):
+            r = spawn(_ab_worker, 2, args=(layout, steps, a, b), timeout_s=900)[0]
+            result[f"{layout}2_ab"] = {**r, "a": a, "b": b}
+            print(f"(d) {layout}2: A / B = {r['ratio']:.3f}x ({r['a_s']*1e3:.1f} ms vs {r['b_s']*1e3:.1f} ms, "
+                  f"median of {r['pairs']} alternated pairs; A = {' '.join(a)}, B = {' '.join(b)})")
+        parts = set()
     if "a" in parts:
         result["one_rank"] = one_rank(steps)
         print(f"(a) 1 rank   partitioned/plain compile = {result['one_rank']['ratio']:.3f}x  (target <= 1.05)")

@@ -312,7 +312,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     than by a count of the targets kept (``F.cross_entropy``'s mean with ``ignore_index``): on a
     mesh that splits the batch the count would be a partial sum, all-reduced between the forward
     and the backward, where every rank waits for the slowest (without it dp2 and fsdp2 steps are
-    1-6% faster; docs/partitioner.md). The value and its gradient are ``F.cross_entropy``'s
+    0.5-6% faster; docs/partitioner.md). The value and its gradient are ``F.cross_entropy``'s
     mean, to the bit.
 
     Example:
