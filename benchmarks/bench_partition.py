@@ -142,17 +142,15 @@ def _module_step(cfg, params, layout: str, mesh):
     return step
 
 
-def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
-    """On each of 2 gloo ranks: ``shardfn train``'s step on ``mesh.<layout>=2`` against the
-    nn.Module under DDP / fully_shard, alternated, each fed its own previous outputs."""
-    import torch.distributed as dist
-
+def _shardfn_side(layout: str, pairs: int, overrides: tuple = ()):
+    """``shardfn train``'s step on ``mesh.<layout>=2`` (M, with ``overrides``), and ``run()``,
+    which steps it on the next batch from its own previous outputs. Returns ``(run, step, cfg,
+    params, batches)``: what the other side of a comparison starts from."""
     from shardfn import models
     from shardfn.config import load_config
     from shardfn.runtime import data
     from shardfn.runtime.build import build_step
 
-    torch.set_num_threads(1)
     cfg = load_config("llama_tiny", [*M, f"mesh.{layout}=2", *overrides])
     model = models.get(cfg.model_name)
     params = model.init(cfg.model, cfg.train.seed)
@@ -160,16 +158,27 @@ def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
     t = cfg.train
     batches = [data.get_batch(tokens, i, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
                for i in range(2 * pairs + 3)]
-    ours = build_step(cfg, model, params)
-    state = list(ours.place(params)) + [0]
-    theirs = _module_step(cfg, params, layout, ours.mesh)
-    rank, half = dist.get_rank(), t.batch_size // 2
-    seen = [0]
+    step = build_step(cfg, model, params)
+    state = [*step.place(params), 0]
 
-    def run_ours():
-        state[0], state[1], metrics = ours(state[0], state[1], batches[state[2]])
+    def run():
+        state[0], state[1], metrics = step(state[0], state[1], batches[state[2]])
         float(metrics["loss"])
         state[2] += 1
+
+    return run, step, cfg, params, batches
+
+
+def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
+    """On each of 2 gloo ranks: ``shardfn train``'s step on ``mesh.<layout>=2`` against the
+    nn.Module under DDP / fully_shard, alternated, each fed its own previous outputs."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    run_ours, ours, cfg, params, batches = _shardfn_side(layout, pairs, overrides)
+    theirs = _module_step(cfg, params, layout, ours.mesh)
+    rank, half = dist.get_rank(), cfg.train.batch_size // 2
+    seen = [0]
 
     def run_theirs():
         batch = {k: v[rank * half:(rank + 1) * half] for k, v in batches[seen[0]].items()}
@@ -185,32 +194,11 @@ def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
 def _ab_worker(layout: str, pairs: int, a: tuple, b: tuple) -> dict:
     """On each of 2 gloo ranks: ``shardfn train``'s step on ``mesh.<layout>=2`` with overrides
     ``a`` against the same with ``b``, alternated, each fed its own previous outputs."""
-    from shardfn import models
-    from shardfn.config import load_config
-    from shardfn.runtime import data
-    from shardfn.runtime.build import build_step
-
     torch.set_num_threads(1)
-    runs = []
-    for overrides in (a, b):
-        cfg = load_config("llama_tiny", [*M, f"mesh.{layout}=2", *overrides])
-        model = models.get(cfg.model_name)
-        params = model.init(cfg.model, cfg.train.seed)
-        t = cfg.train
-        tokens = data.from_config(cfg.data)
-        batches = [data.get_batch(tokens, i, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
-                   for i in range(2 * pairs + 3)]
-        step = build_step(cfg, model, params)
-        state = [*step.place(params), 0]
-
-        def run(step=step, state=state, batches=batches):
-            state[0], state[1], metrics = step(state[0], state[1], batches[state[2]])
-            float(metrics["loss"])
-            state[2] += 1
-
-        for _ in range(3):  # lowering, allocator warm-up
+    runs = [_shardfn_side(layout, pairs, overrides)[0] for overrides in (a, b)]
+    for _ in range(3):  # the first steps: lowering, allocator warm-up
+        for run in runs:
             run()
-        runs.append(run)
     out = alternated(runs[0], runs[1], pairs)
     return {"a_s": out["shardfn_s"], "b_s": out["torch_s"], "ratio": out["ratio"], "pairs": pairs}
 
