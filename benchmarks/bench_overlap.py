@@ -29,6 +29,9 @@ whole pipeline step, whose communication is the P2P messages between its stages:
 waits on each receive where the schedule posts it, ``after`` where its tensor is read (the
 executor's default). It reports both step times and, per rank, the time blocked on P2P (posting
 and waiting; pipeline idling is in it too, so there is no compute-only variant).
+``pp2_ep2_dualpipev`` (4 ranks) adds expert parallelism inside each stage: there ``after`` runs
+each overlapped pair one member after the other, and ``after_paired`` (the default) lets the
+members take turns at their MoE exchange waits (``runtime.interleave``).
 
     python benchmarks/bench_overlap.py --layouts pp2_dualpipev --pairs 15
 """
@@ -54,7 +57,9 @@ LAYOUTS = {"fsdp2": ["mesh.fsdp=2"], "ep2": ["mesh.ep=2"],
            "fsdp2_unbucketed": ["mesh.fsdp=2", "partition.bucket_bytes=0"],
            "ep2_unbucketed": ["mesh.ep=2", "partition.bucket_bytes=0"],
            # DualPipeV on 2 pipeline ranks, each holding two stages (timed as a whole step, see _pipeline)
-           "pp2_dualpipev": ["mesh.pp=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"]}
+           "pp2_dualpipev": ["mesh.pp=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"],
+           # the same with expert parallelism inside each stage (4 ranks): the pairs' MoE all-to-alls
+           "pp2_ep2_dualpipev": ["mesh.pp=2", "mesh.ep=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"]}
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -217,8 +222,8 @@ def _pipeline(overrides, pairs, warmup) -> list[dict]:
     batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=cfg.train.batch_size,
                            seq_len=cfg.train.seq_len, seed=0)
 
-    def timed(receive_at):
-        step.receive_at = receive_at
+    def timed(variant):
+        step.receive_at, step.overlap_pairs = variant
         dist.barrier()
         t = time.perf_counter()
         step(local, state, batch)  # the same state every call: each call is the same step
@@ -226,7 +231,9 @@ def _pipeline(overrides, pairs, warmup) -> list[dict]:
         p2p = sum(e["end_ns"] - e["start_ns"] for e in step.last_run.events if e["kind"] == "P2P") / 1e9
         return seconds, p2p
 
-    names = {"before": "post", "after": "use"}
+    names = {"before": ("post", False), "after": ("use", False)}
+    if step.records:  # an MoE exchange in the stages: the overlapped pairs can take turns at its waits
+        names["after_paired"] = ("use", True)
     for _ in range(warmup):
         for v in names.values():
             timed(v)
@@ -244,12 +251,25 @@ def summarize_pipeline(rows: list[dict]) -> dict:
     left ``after`` (of the medians), and the median of the per-pair speedups."""
     out = {f"{k}_s": statistics.median(r[k] for r in rows) for k in rows[0]}
     out.update({"p2p_left": out["p2p_after_s"] / out["p2p_before_s"] if out["p2p_before_s"] else float("nan"),
-                "speedup_after": statistics.median(r["before"] / r["after"] for r in rows), "pairs": len(rows)})
+                "pairs": len(rows)})
+    for v in (k for k in rows[0] if k.startswith("after")):
+        out[f"speedup_{v}"] = statistics.median(r["before"] / r[v] for r in rows)
+    if "after_paired" in rows[0]:
+        out["speedup_paired_over_serial"] = statistics.median(r["after"] / r["after_paired"] for r in rows)
     return out
 
 
 def _pipelined(overrides) -> bool:
     return any(o.startswith("mesh.pp=") for o in overrides)
+
+
+def _ranks(overrides) -> int:
+    """The world size a layout's ``mesh.*`` overrides make (2 for the one-axis layouts)."""
+    n = 1
+    for o in overrides:
+        key, _, value = o.partition("=")
+        n *= int(value) if key.startswith("mesh.") else 1
+    return n
 
 
 def _worker(layouts, pairs, warmup, backend):
@@ -320,15 +340,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_overlap.json"))
     args = ap.parse_args(argv)
     layouts = {k: LAYOUTS[k] for k in args.layouts.split(",")}
-    per_rank = spawn(_worker, 2, args=(layouts, args.pairs, args.warmup, args.backend), timeout_s=900)
+    ranks = {k: _ranks(o) for k, o in layouts.items()}
+    per_rank = [{} for _ in range(max(ranks.values()))]
+    for n in sorted(set(ranks.values())):   # one launch per world size
+        these = {k: o for k, o in layouts.items() if ranks[k] == n}
+        for r, out in enumerate(spawn(_worker, n, args=(these, args.pairs, args.warmup, args.backend), timeout_s=900)):
+            per_rank[r].update(out)
     piped = {k for k, o in layouts.items() if _pipelined(o)}
-    result = {"model": "moe_tiny " + " ".join(MODEL), "ranks": 2, "threads_per_rank": 1, "backend": args.backend,
+    result = {"model": "moe_tiny " + " ".join(MODEL), "ranks": ranks, "threads_per_rank": 1, "backend": args.backend,
               "layouts": {k: (summarize_pipeline if k in piped else summarize)(per_rank[0][k]) for k in layouts},
               "raw_rank0": per_rank[0], "raw_rank1": {k: per_rank[1][k] for k in piped}}
     for k in piped:
         s, other = result["layouts"][k], summarize_pipeline(per_rank[1][k])
+        paired = (f"; pairs taking turns {s['after_paired_s'] * 1e3:7.1f} ms ({s['speedup_after_paired']:.2f}x, "
+                  f"{s['speedup_paired_over_serial']:.2f}x over one member after the other)"
+                  if "after_paired_s" in s else "")
         print(f"{k}: step before {s['before_s'] * 1e3:7.1f} ms  after {s['after_s'] * 1e3:7.1f} ms "
-              f"({s['speedup_after']:.2f}x); blocked on P2P, rank 0: {s['p2p_before_s'] * 1e3:.1f} -> "
+              f"({s['speedup_after']:.2f}x){paired}; blocked on P2P, rank 0: {s['p2p_before_s'] * 1e3:.1f} -> "
               f"{s['p2p_after_s'] * 1e3:.1f} ms, rank 1: {other['p2p_before_s'] * 1e3:.1f} -> "
               f"{other['p2p_after_s'] * 1e3:.1f} ms")
     for k, s in result["layouts"].items():

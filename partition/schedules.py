@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import re
 from collections import deque
 from dataclasses import dataclass
@@ -930,6 +931,54 @@ def add_communication(schedule: Schedule, costs: Optional[Mapping[str, float]] =
                 program.append(slots[k].action)
         actions.append(tuple(program))
     return validate(dataclasses.replace(schedule, actions=tuple(actions)))
+
+
+@functools.lru_cache(maxsize=16)
+def pair_overlaps(schedule: Schedule) -> tuple[Schedule, frozenset[tuple[int, Action, Action]]]:
+    """DualPipe's overlapped pairs made explicit: ``(schedule', pairs)``.
+
+    A pair is an ``F`` followed on its rank by a ``B`` of another stage, with nothing between
+    them but the ``F``'s own sends and the ``B``'s receive (DualPipeV writes its overlapped
+    pairs that way). In ``schedule'`` the sends move after the ``B`` and the receive before the
+    ``F``, so the two can run as one step whose members
+    take turns at their communication waits (``runtime.interleave``); ``pairs`` holds
+    ``(rank, F, B)``. ``schedule'`` passes :func:`validate` (its blocking batches cannot
+    deadlock); where it would not, no pair is made and ``schedule`` comes back unchanged.
+
+    Example:
+        s, pairs = pair_overlaps(get_schedule("dualpipev", 2, 4))
+        sorted(f"{f.cell}+{b.cell}" for r, f, b in pairs if r == 1)   # ['F2@s1+B0@s2', 'F3@s1+B1@s2']
+    """
+    if not schedule.has_communication:
+        schedule = add_communication(schedule)
+    actions, pairs = [], set()
+    for r, program in enumerate(schedule.actions):
+        out, i = [], 0
+        while i < len(program):
+            a, j = program[i], i + 1
+            while j < len(program) and program[j].is_comm and a.kind == "F":
+                j += 1
+            b = program[j] if j < len(program) else None
+            between = program[i + 1:j]
+            sends = [c for c in between if c.kind == "SEND_F" and (c.stage, c.microbatch) == (a.stage, a.microbatch)]
+            if a.kind == "F" and b is not None and b.kind == "B" and b.stage != a.stage and all(
+                    c in sends or (c.kind == "RECV_B" and (c.stage, c.microbatch) == (b.stage, b.microbatch))
+                    for c in between):
+                pairs.add((r, a, b))
+                out += [c for c in between if c not in sends] + [a, b, *sends]
+                i = j + 1
+            else:
+                out.append(a)
+                i += 1
+        actions.append(tuple(out))
+    if not pairs:
+        return schedule, frozenset()
+    paired = dataclasses.replace(schedule, actions=tuple(actions))
+    try:
+        validate(paired)
+    except ScheduleError:
+        return schedule, frozenset()
+    return paired, frozenset(pairs)
 
 
 # ----------------------------------------------------------------------------- files

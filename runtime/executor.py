@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from shardfn.core.pytree import flatten_with_paths, tree_map
-from shardfn.partition.schedules import Action, Schedule, add_communication, group_steps
+from shardfn.partition.schedules import Action, Schedule, add_communication, group_steps, pair_overlaps
 from shardfn.partition.stages import Pipeline
+from shardfn.runtime.interleave import run_pair
 
 # ----------------------------------------------------------------------------- one schedule run
 
@@ -47,12 +48,15 @@ class RunResult:
             ran; a ``WAIT_`` step of kind ``P2P``: time blocked on the receive it reads) when recording.
         peak_saved_bytes: the most bytes of values held for backward at once (activations,
             saved tensors and pending messages; parameters excluded).
+        turns: ``(F cell, B cell, turn log)`` per overlapped pair run (``overlap_pairs=True``);
+            the log is :func:`~shardfn.runtime.interleave.run_pair`'s ``(member, event, ns)``.
     """
 
     loss: torch.Tensor | None
     grads: dict[int, dict[str, torch.Tensor]]
     events: list[dict] = field(default_factory=list)
     peak_saved_bytes: int = 0
+    turns: list[tuple[str, str, list]] = field(default_factory=list)
 
 
 def check_fit(pipe: Pipeline, schedule: Schedule) -> None:
@@ -232,6 +236,52 @@ class _Rank:
         return total
 
 
+def _compute(rank: _Rank, a: Action, record: bool, global_rank: int, events: list) -> None:
+    """Run compute action ``a``, waiting first on the receive it reads if it is still in flight."""
+    t0 = time.perf_counter_ns() if record else 0
+    if (key := rank.awaited(a)) is not None:  # its input is still on the wire: wait, as P2P time
+        rank.wait(key)
+        if record:
+            t1 = time.perf_counter_ns()
+            events.append({"name": f"WAIT_{a.cell}", "kind": "P2P", "stage": a.stage, "mb": a.microbatch,
+                           "start_ns": t0, "end_ns": t1, "rank": global_rank})
+            t0 = t1
+    in_flight = rank.in_flight() if record else None
+    getattr(rank, a.kind)(a)
+    if record:
+        events.append({"name": a.cell, "kind": a.kind, "stage": a.stage, "mb": a.microbatch, "start_ns": t0,
+                       "end_ns": time.perf_counter_ns(), "rank": global_rank})
+        if in_flight:
+            events[-1]["in_flight"] = in_flight  # receives completing behind this compute
+
+
+def _pair_events(first: list[dict], second: list[dict], log: list, global_rank: int) -> list[dict]:
+    """The two members' events, each compute step split at its handoffs: one event per stretch
+    a member computed, and an ``EP`` event per stretch it waited on its exchange (and for its turn)."""
+    out = []
+    for member, events in enumerate((first, second)):
+        stretches, start = [], None
+        for who, event, ns in log:
+            if who != member:
+                continue
+            if event in ("start", "resume"):
+                start = ns
+            else:
+                stretches.append((start, ns))
+        for e in events:
+            if e["kind"] == "P2P":
+                out.append(e)
+                continue
+            inside = [(max(a, e["start_ns"]), min(b, e["end_ns"])) for a, b in stretches
+                      if b > e["start_ns"] and a < e["end_ns"]]
+            for k, (a, b) in enumerate(inside):
+                out.append({**e, "start_ns": a, "end_ns": b})
+                if k + 1 < len(inside):
+                    out.append({**e, "name": f"EXCHANGE_{e['name']}", "kind": "EP", "start_ns": b,
+                                "end_ns": inside[k + 1][0]})
+    return sorted(out, key=lambda e: e["start_ns"])
+
+
 def run_schedule(
     pipe: Pipeline,
     schedule: Schedule,
@@ -242,6 +292,7 @@ def run_schedule(
     group: dist.ProcessGroup | None = None,
     record: bool = False,
     receive_at: str = "use",
+    overlap_pairs: bool = False,
 ) -> RunResult:
     """Run ``schedule.actions[pp_rank]`` with ``pipe``'s stage programs.
 
@@ -255,6 +306,10 @@ def run_schedule(
         record: time every step (for :func:`write_chrome_trace`) and track held bytes.
         receive_at: ``"use"``: wait on each receive at the compute that reads it; ``"post"``: at
             the batch that posts it (the blocking batches the validator models; for comparison).
+        overlap_pairs: run each overlapped pair (``partition.schedules.pair_overlaps``: an ``F``
+            and the other chunk's ``B``, adjacent) as one step whose members take turns at their
+            MoE exchange waits (``runtime.interleave``): one computes while the other's
+            all-to-all is in flight. Every rank of a run must pass the same value.
 
     Example:
         out = run_schedule(pipe, get_schedule("1f1b", 2, 4), rank, held, mbs, group=pp_group)
@@ -275,40 +330,46 @@ def run_schedule(
     if unsplit:
         raise ValueError(f"stages {unsplit} have no F/I/W programs; build the pipeline with split=None or "
                          f"split=schedule.stages_of({pp_rank})")
+    pairs: frozenset = frozenset()
+    if overlap_pairs:
+        schedule, pairs = pair_overlaps(schedule)
     rank = _Rank(pipe, schedule, pp_rank, params, microbatches, group)
     global_rank = dist.get_rank() if dist.is_initialized() else pp_rank
-    events, peak = [], 0
+    events, turns, peak = [], [], 0
+    steps = group_steps(schedule.actions[pp_rank])
     with torch.no_grad():
-        for step in group_steps(schedule.actions[pp_rank]):
-            a = step[0]
-            t0 = time.perf_counter_ns() if record else 0
+        i = 0
+        while i < len(steps):
+            step, a = steps[i], steps[i][0]
+            i += 1
+            for c in step:
+                if not c.is_comm and c.stage not in mine:
+                    raise ValueError(f"rank {pp_rank} was given {c}, but stage {c.stage} lives on rank "
+                                     f"{schedule.stage_to_rank[c.stage]}")
             if a.is_comm:
+                t0 = time.perf_counter_ns() if record else 0
                 rank.communicate(step)
                 if receive_at == "post":
                     for key in list(rank.received):
                         rank.wait(key)
-            elif a.stage not in mine:
-                raise ValueError(f"rank {pp_rank} was given {a}, but stage {a.stage} lives on rank "
-                                 f"{schedule.stage_to_rank[a.stage]}")
+                if record:
+                    events.append({"name": "+".join(b.cell for b in step), "kind": "P2P", "stage": a.stage,
+                                   "mb": a.microbatch, "start_ns": t0, "end_ns": time.perf_counter_ns(),
+                                   "rank": global_rank})
+            elif (pp_rank, a, steps[i][0] if i < len(steps) else None) in pairs:
+                b = steps[i][0]
+                i += 1
+                mine_f, mine_b = [], []
+                log = run_pair(lambda: _compute(rank, a, record, global_rank, mine_f),
+                               lambda: _compute(rank, b, record, global_rank, mine_b))
+                turns.append((a.cell, b.cell, log))
+                events += _pair_events(mine_f, mine_b, log, global_rank) if record else []
             else:
-                if (key := rank.awaited(a)) is not None:  # its input is still on the wire: wait, as P2P time
-                    rank.wait(key)
-                    if record:
-                        t1 = time.perf_counter_ns()
-                        events.append({"name": f"WAIT_{a.cell}", "kind": "P2P", "stage": a.stage,
-                                       "mb": a.microbatch, "start_ns": t0, "end_ns": t1, "rank": global_rank})
-                        t0 = t1
-                in_flight = rank.in_flight() if record else None
-                getattr(rank, a.kind)(a)
+                _compute(rank, a, record, global_rank, events)
             if record:
-                events.append({"name": "+".join(b.cell for b in step), "kind": "P2P" if a.is_comm else a.kind,
-                               "stage": a.stage, "mb": a.microbatch, "start_ns": t0,
-                               "end_ns": time.perf_counter_ns(), "rank": global_rank})
-                if not a.is_comm and in_flight:
-                    events[-1]["in_flight"] = in_flight  # receives completing behind this compute
                 peak = max(peak, rank.held_bytes())
     loss = rank.finish()
-    return RunResult(loss, rank.grads, events, peak)
+    return RunResult(loss, rank.grads, events, peak, turns)
 
 
 # ----------------------------------------------------------------------------- batches
@@ -353,7 +414,8 @@ def dp_shard(batch: dict, dp_rank: int, dp: int) -> dict:
 
 
 def write_chrome_trace(events: list[dict], path: str | os.PathLike) -> Path:
-    """Write ``events`` (from every rank) as a Chrome trace: one ``pid`` per rank, times in µs.
+    """Write ``events`` (from every rank) as a Chrome trace: one ``pid`` per rank, times in µs;
+    compute and P2P on thread 0, an overlapped pair member's exchange waits (``EP``) on thread 1.
 
     Open it in ``chrome://tracing`` or Perfetto.
 
@@ -367,7 +429,7 @@ def write_chrome_trace(events: list[dict], path: str | os.PathLike) -> Path:
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"pp rank {rank}"}})
     for e in events:
         trace.append({
-            "name": e["name"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": 0,
+            "name": e["name"], "cat": e["kind"], "ph": "X", "pid": e["rank"], "tid": int(e["kind"] == "EP"),
             "ts": (e["start_ns"] - t0) / 1e3, "dur": (e["end_ns"] - e["start_ns"]) / 1e3,
             "args": {"stage": e["stage"], "microbatch": e["mb"],
                      **({"receives_in_flight": e["in_flight"]} if e.get("in_flight") else {})},
@@ -378,7 +440,7 @@ def write_chrome_trace(events: list[dict], path: str | os.PathLike) -> Path:
 
 def bubble_fraction(events: list[dict]) -> float:
     """Idle share of the ranks' time between the first start and the last end: ``1 - busy / (ranks * span)``,
-    where busy is compute (F, B, I, W) time; P2P waits count as idle.
+    where busy is compute (F, B, I, W) time; P2P waits and a pair member's exchange waits (EP) count as idle.
 
         bubble_fraction(all_ranks_events)  # e.g. 0.27 for 1f1b on 4 ranks with 8 microbatches
     """
@@ -386,5 +448,5 @@ def bubble_fraction(events: list[dict]) -> float:
         return 0.0
     span = max(e["end_ns"] for e in events) - min(e["start_ns"] for e in events)
     ranks = {e["rank"] for e in events}
-    busy = sum(e["end_ns"] - e["start_ns"] for e in events if e["kind"] != "P2P")
+    busy = sum(e["end_ns"] - e["start_ns"] for e in events if e["kind"] not in ("P2P", "EP"))
     return 1.0 - busy / (len(ranks) * span) if span else 0.0

@@ -14,7 +14,9 @@ it, and it
 Its backward (another op) sends output cotangents the same way and input cotangents back: two
 token all-to-alls each way. What the backward needs is kept in this process between the two
 ops, keyed by a handle tensor that the forward returns, so nothing is exchanged twice. The
-shared experts are computed while the first exchange is in flight (``async_op=True``).
+shared experts are computed while the first exchange is in flight (``async_op=True``). Every
+wait on an exchange is a ``runtime.interleave.handoff``: in DualPipeV's overlapped pairs the
+other member of the pair computes while it is in flight.
 
 Each exchange belongs to an :class:`Exchange`, which records the bytes every call moved (what
 leaves the rank; tokens that stay on-rank move nothing) and keeps what the backward needs. The
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 
 from shardfn.core.grouped_mm import grouped_mm
 from shardfn.core.registry import Registry
+from shardfn.runtime.interleave import handoff
 
 
 @dataclass
@@ -156,7 +159,9 @@ def _route(x, idx, n_experts: int, capacity_factor: float, group):
     send = x[tok]                                                # [A, D] grouped by dest rank
     in_splits = counts.view(n, e_local).sum(1).tolist()
     recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)     # [n*E_local]: from s for my e
+    work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)  # [n*E_local]: from s for my e
+    with handoff():
+        work.wait()
     recv_counts = recv_counts.view(n, e_local)
     return order, tok, send, in_splits, recv_counts.sum(1).tolist(), recv_counts, dropped
 
@@ -196,7 +201,8 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     y_shared = _swiglu(x, *shared) if shared is not None else None  # overlaps the exchange
     combines, saved = [], []
     for (rows, order, tok, send, in_splits, out_splits, recv_counts), (recv, work) in zip(parts, pending):
-        work.wait()
+        with handoff():
+            work.wait()
         expert_of_row = torch.arange(e_local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
         perm = torch.argsort(expert_of_row, stable=True)         # received -> expert-major
         offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
@@ -209,7 +215,8 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
         saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs])
     y_assign = x.new_zeros((T * k, D))
     for (back, work), (rows, tok, order, *rest) in zip(combines, saved):
-        work.wait()
+        with handoff():
+            work.wait()
         part = y_assign[rows.start * k:rows.stop * k]            # [A, D] back in `order` order
         part[order] = back
     y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
@@ -244,7 +251,8 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
         shared_grads = pull_shared(grad_y)
     dw, combines = None, []
     for c, (d_recv, work) in zip(s.chunks, pending):
-        work.wait()
+        with handoff():
+            work.wait()
         d_out = d_recv[c.perm]
         _, pullback = torch.func.vjp(lambda xs, a, b, w: _expert_ffn(xs, c.offs, a, b, w), c.xs, w1, w2, w3)
         dxs, *dw_c = pullback(d_out)
@@ -255,7 +263,8 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
         combines.append(_a2a(d_back, c.in_splits, c.out_splits, s.group, async_op=True))
     dx = torch.zeros((T, D), dtype=grad_y.dtype)
     for c, (d_src, work) in zip(s.chunks, combines):
-        work.wait()
+        with handoff():
+            work.wait()
         dx.index_add_(0, c.tok + c.rows.start, d_src)
     if shared_grads is None:
         return (dx, dweights, *dw)

@@ -97,6 +97,8 @@ class PipelineStep:
     last_grads: dict | None = None
     eager: list = field(default_factory=list)  # (op, axis, bytes) of the step's own collectives, last call
     receive_at: str = "use"             # run_schedule's: wait on a receive where it is read ("post": where posted)
+    overlap_pairs: bool = True          # run_schedule's, where the programs run an MoE exchange: overlapped
+    #                                     pairs take turns at its waits (False: one member after the other)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -137,7 +139,8 @@ class PipelineStep:
         held = self.layout.held(params_local)
         use = {s: self.programs[s].gather_params(held[s]) for s in self.stages}
         out = run_schedule(self.pipe, self.schedule, self.pp_rank, use, self.microbatches(global_batch),
-                           group=self.layout.pp_group, record=self.record, receive_at=self.receive_at)
+                           group=self.layout.pp_group, record=self.record, receive_at=self.receive_at,
+                           overlap_pairs=self.overlap_pairs and bool(self.records))
         self.last_run = out
         grads = {s: self.programs[s].reduce_grads(out.grads[s]) for s in self.stages}
         grads = self._sum_tied(grads)

@@ -15,7 +15,7 @@ from shardfn.runtime.launch import spawn
 from shardfn.runtime.pipeline_step import build_pipeline_step
 
 MOE = str(resolve_path("moe_tiny"))
-SCHEDULES = ("1f1b", "zbh1", "interleaved_1f1b")
+SCHEDULES = ("1f1b", "zbh1", "interleaved_1f1b", "dualpipev", "dualpipev:serial")
 FOUR_LAYERS = ["model.n_layers=4"]  # interleaved_1f1b on pp2 runs 4 stages, and a stage holds whole layers
 
 
@@ -25,11 +25,15 @@ def ref():
 
 
 def _pipeline_ep_worker(overrides, schedules):
-    """Per schedule: the losses, the first step's gradients and the final params, all full trees."""
+    """Per schedule: the losses, the first step's gradients and the final params, all full trees
+    (``"name:serial"``: the schedule with its overlapped pairs run one member after the other)."""
     out = {}
     for name in schedules:
-        cfg, model, params, _, batches = setup([*FOUR_LAYERS, *overrides, f"pipeline.schedule={name}"], MOE)
+        schedule, _, serial = name.partition(":")
+        cfg, model, params, _, batches = setup([*FOUR_LAYERS, *overrides, f"pipeline.schedule={schedule}"], MOE)
         step = build_pipeline_step(cfg, model, params)
+        step.overlap_pairs = not serial
+        step.record = name == "dualpipev"   # the trace of the pairs (EP: a member's exchange waits)
         local = step.scatter(params)
         state = step.optimizer.init(local)
         losses, grads, loads = [], None, []
@@ -41,8 +45,10 @@ def _pipeline_ep_worker(overrides, schedules):
         held = {p: tuple(t.shape) for p, t in flatten_with_paths(local) if ".experts." in p}
         parts = {(s, k): [str(n.target) for n in getattr(step.pipe.stages[s], k).graph_module.graph.nodes
                           if str(n.target).startswith("shardfn.ep_experts")] for s in step.stages for k in "FIW"}
+        turns = [(f, b, [(who, event) for who, event, _ in log]) for f, b, log in step.last_run.turns]
+        exchange_waits = [e["name"] for e in step.last_run.events if e["kind"] == "EP"]
         out[name] = {"losses": torch.stack(losses), "grads": grads, "params": step.gather(local), "loads": loads,
-                     "held": held, "parts": parts}
+                     "held": held, "parts": parts, "turns": turns, "exchange_waits": exchange_waits}
     return out
 
 
@@ -63,8 +69,13 @@ def check_parity(ref, overrides, nproc, schedules):
     return per_rank
 
 
-def test_pp2_ep2_matches_one_device(ref):
-    per_rank = check_parity(ref, ["mesh.pp=2", "mesh.ep=2", "pipeline.microbatches=4"], 4, SCHEDULES)
+@pytest.fixture(scope="module")
+def pp2_ep2_runs(ref):
+    return check_parity(ref, ["mesh.pp=2", "mesh.ep=2", "pipeline.microbatches=4"], 4, SCHEDULES)
+
+
+def test_pp2_ep2_matches_one_device(pp2_ep2_runs):
+    per_rank = pp2_ep2_runs
     held = [shape for r in per_rank for shape in r["1f1b"]["held"].values()]
     assert held and all(shape[1] == 8 // 2 for shape in held)   # [layers, E / ep, ...] on every ep rank
     # the exchange is one opaque op in F and its backward (expert weight grads included) one in I;
@@ -76,6 +87,33 @@ def test_pp2_ep2_matches_one_device(ref):
         backward = ["shardfn.ep_experts_backward.default"] * len(parts[(s, "F")])
         assert parts[(s, "F")] == ["shardfn.ep_experts.default"] * len(parts[(s, "F")])
         assert (parts[(s, "I")], parts[(s, "W")]) == ((backward, []) if s else ([], backward))
+
+
+def test_pp2_ep2_dualpipev_pairs_compute_while_the_other_members_all_to_all_is_in_flight(pp2_ep2_runs):
+    """DualPipeV's overlapped pairs (an F and the other chunk's B) take turns at their MoE
+    exchange waits: the B starts once the F has issued its first all-to-all and is waiting on
+    it, and so on, in the same order on every rank. Results are bitwise those of running the
+    two one after the other."""
+    per_rank = pp2_ep2_runs
+    for r in per_rank:
+        overlapped, serial = r["dualpipev"], r["dualpipev:serial"]
+        assert torch.equal(overlapped["losses"], serial["losses"])
+        for key in ("grads", "params"):
+            assert all(torch.equal(a, b) for a, b in zip(tree_leaves(overlapped[key]), tree_leaves(serial[key])))
+        assert serial["turns"] == []
+    # pp rank 1 (global ranks 2, 3) runs F2@s1 + B0@s2 first: a one-layer MoE stage each
+    turns = {f"{f}+{b}": log for f, b, log in per_rank[2]["dualpipev"]["turns"]}
+    assert set(turns) == {"F2@s1+B0@s2", "F2@s2+B0@s1", "F3@s1+B1@s2"}
+    assert [r["dualpipev"]["turns"] for r in per_rank[2:]] == [per_rank[2]["dualpipev"]["turns"]] * 2
+    log = turns["F2@s1+B0@s2"]
+    # F: counts exchange, dispatch, combine; B: the two gradient exchanges. Each wait hands the turn over.
+    assert log[:4] == [(0, "start"), (0, "handoff"), (1, "start"), (1, "handoff")]
+    assert [e for who, e in log if who == 0].count("handoff") == 3
+    assert [e for who, e in log if who == 1].count("handoff") == 2
+    assert log.index((1, "start")) < log.index((0, "end")) and log.index((0, "start")) < log.index((1, "end"))
+    # the trace shows them: one EP stretch per handoff that the member's program resumed after
+    waits = per_rank[2]["dualpipev"]["exchange_waits"]
+    assert waits.count("EXCHANGE_F2@s1") == 3 and waits.count("EXCHANGE_B0@s2") == 2
 
 
 def test_pp2_dp2_moe_matches_one_device(ref):

@@ -24,6 +24,7 @@ from shardfn.partition.schedules import (
     interleaved_1f1b,
     load_schedule,
     one_f_one_b,
+    pair_overlaps,
     parse_action,
     simulate,
     stage_to_rank_map,
@@ -189,6 +190,33 @@ def test_group_steps():
     f, s, r, b = (parse_action(c) for c in ("F0@s0", "SEND_F0@s0", "RECV_B0@s0", "B0@s0"))
     assert group_steps([f, s, r, b]) == ((f,), (s, r), (b,))
     assert group_steps([s]) == ((s,),)
+
+
+def test_pair_overlaps_moves_the_forwards_send_after_the_pair_and_the_backwards_receive_before_it():
+    original = get_schedule("dualpipev", 2, 4)
+    paired, pairs = pair_overlaps(original)
+    assert sorted(f"{r}:{f.cell}+{b.cell}" for r, f, b in pairs) == [
+        "0:F2@s3+B0@s0", "0:F3@s0+B1@s3", "0:F3@s3+B1@s0", "1:F2@s1+B0@s2", "1:F2@s2+B0@s1", "1:F3@s1+B1@s2"]
+    rank0 = " ".join(a.cell for a in paired.actions[0])
+    assert "F3@s0 SEND_F3@s0 B1@s3" in " ".join(a.cell for a in original.actions[0])
+    assert "F3@s0 B1@s3 SEND_F3@s0" in rank0 and "RECV_B0@s0 F2@s3 B0@s0" in rank0
+    assert validate(paired) is paired
+    assert [sorted(map(str, a)) for a in paired.actions] == [sorted(map(str, a)) for a in original.actions]
+    for p, m in [(4, 8), (4, 12), (8, 16)]:   # every size pairs (none falls back)
+        assert pair_overlaps(get_schedule("dualpipev", p, m))[1]
+    one = get_schedule("1f1b", 4, 8)
+    assert pair_overlaps(one) == (one, frozenset())
+
+
+def test_pair_overlaps_makes_no_pair_when_the_moved_messages_would_not_validate(monkeypatch):
+    from shardfn.partition import schedules
+
+    def refuse(schedule):
+        raise ScheduleError("blocked")
+
+    original = get_schedule("dualpipev", 2, 6)
+    monkeypatch.setattr(schedules, "validate", refuse)
+    assert pair_overlaps.__wrapped__(original) == (original, frozenset())
 
 
 # ----------------------------------------------------------------------------- validator
