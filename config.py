@@ -172,6 +172,9 @@ class PipelineConfig:
     schedule: str = "1f1b"  # a schedule name (partition.schedules.SCHEDULES)
     microbatches: int = 1  # per step (and per data-parallel rank)
     stages: Union[int, None] = None  # null: one stage per pp rank
+    # with an MoE exchange in the stages: each overlapped pair (DualPipeV's F + the other chunk's B)
+    # takes turns at its all-to-all waits (docs/pipeline.md); false: one member after the other
+    overlap_pairs: bool = False
 
     def validate(self) -> None:
         _check(canonical_name(self.schedule) in SCHEDULES, "pipeline.schedule",

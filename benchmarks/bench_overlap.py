@@ -59,7 +59,9 @@ LAYOUTS = {"fsdp2": ["mesh.fsdp=2"], "ep2": ["mesh.ep=2"],
            # DualPipeV on 2 pipeline ranks, each holding two stages (timed as a whole step, see _pipeline)
            "pp2_dualpipev": ["mesh.pp=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"],
            # the same with expert parallelism inside each stage (4 ranks): the pairs' MoE all-to-alls
-           "pp2_ep2_dualpipev": ["mesh.pp=2", "mesh.ep=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"]}
+           "pp2_ep2_dualpipev": ["mesh.pp=2", "mesh.ep=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"],
+           # DualPipeV's V on one pipeline rank (both chunks local, 6 overlapped pairs a step) with ep2: 2 ranks
+           "ep2_dualpipev": ["mesh.ep=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4"]}
 
 
 class _Recorder(torch.fx.Interpreter):
@@ -260,7 +262,7 @@ def summarize_pipeline(rows: list[dict]) -> dict:
 
 
 def _pipelined(overrides) -> bool:
-    return any(o.startswith("mesh.pp=") for o in overrides)
+    return any(o.startswith(("mesh.pp=", "pipeline.schedule=")) for o in overrides)
 
 
 def _ranks(overrides) -> int:

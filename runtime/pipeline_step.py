@@ -97,8 +97,8 @@ class PipelineStep:
     last_grads: dict | None = None
     eager: list = field(default_factory=list)  # (op, axis, bytes) of the step's own collectives, last call
     receive_at: str = "use"             # run_schedule's: wait on a receive where it is read ("post": where posted)
-    overlap_pairs: bool = True          # run_schedule's, where the programs run an MoE exchange: overlapped
-    #                                     pairs take turns at its waits (False: one member after the other)
+    overlap_pairs: bool = False         # run_schedule's, where the programs run an MoE exchange: overlapped
+    #                                     pairs take turns at its waits (pipeline.overlap_pairs)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -408,7 +408,8 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
                        reshard_after_forward: bool = False, compile: bool = False, record: bool = False,
                        model=None, model_cfg=None, experts=None, recorder=None, skip_nonfinite: bool = False,
                        all_stages: bool = False, device=None, remat: str = "none",
-                       sequence_parallel: tuple[str, ...] = (), seq_axes: tuple[str, ...] = ()) -> PipelineStep:
+                       sequence_parallel: tuple[str, ...] = (), seq_axes: tuple[str, ...] = (),
+                       overlap_pairs: bool = False) -> PipelineStep:
     """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
 
     Args:
@@ -436,6 +437,8 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
             under ``partition.sequence_parallel``).
         seq_axes: the stage mesh's axes that split the sequence (``("cp",)``: context
             parallelism; the step load-balances each batch and the model reads ``positions``).
+        overlap_pairs: where the stages run an MoE exchange, each overlapped pair's two members
+            take turns at its all-to-all waits (``pipeline.overlap_pairs``, ``run_schedule``).
 
     Example:
         step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2, "fsdp": 2}),
@@ -487,6 +490,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
     step = PipelineStep(layout, run_pipe, schedule, stage_mesh, None, record, model, model_cfg, experts, recorder,
                         skip_nonfinite, batch_axes, seq_axes, placements)
     step.optimizer = optimizer(step.grad_norm)
+    step.overlap_pairs = overlap_pairs
     return step
 
 
@@ -494,8 +498,9 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
                         all_stages: bool = False) -> PipelineStep:
     """The pipeline training step of a run config (``mesh.pp > 1``), for this rank.
 
-    Reads ``pipeline.schedule``, ``pipeline.microbatches`` and ``pipeline.stages`` (null: the
-    schedule's stages per rank, ``partition.schedules.stages_per_rank``), the ``mesh`` (every
+    Reads ``pipeline.schedule``, ``pipeline.microbatches``, ``pipeline.overlap_pairs`` and
+    ``pipeline.stages`` (null: the schedule's stages per rank,
+    ``partition.schedules.stages_per_rank``), the ``mesh`` (every
     axis but ``pp`` forms each stage's mesh), ``rules``, ``partition.reshard_after_forward``
     and the ``train`` section's optimizer, clipping, batch size and sequence length. The loss is
     traced once at the global microbatch; this rank's stages are partitioned on the stage mesh.
@@ -554,7 +559,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
                               experts=experts, recorder=recorder, skip_nonfinite=cfg.train.nonfinite == "skip",
                               all_stages=all_stages, device=device, remat=cfg.train.remat,
                               sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in stage_mesh.axes
-                              else (), seq_axes=seq)
+                              else (), seq_axes=seq, overlap_pairs=p.overlap_pairs)
 
 
 def batch_and_seq_spec(batch_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> P:

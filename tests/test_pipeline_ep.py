@@ -15,7 +15,7 @@ from shardfn.runtime.launch import spawn
 from shardfn.runtime.pipeline_step import build_pipeline_step
 
 MOE = str(resolve_path("moe_tiny"))
-SCHEDULES = ("1f1b", "zbh1", "interleaved_1f1b", "dualpipev", "dualpipev:serial")
+SCHEDULES = ("1f1b", "zbh1", "interleaved_1f1b", "dualpipev", "dualpipev:turns")
 FOUR_LAYERS = ["model.n_layers=4"]  # interleaved_1f1b on pp2 runs 4 stages, and a stage holds whole layers
 
 
@@ -26,14 +26,14 @@ def ref():
 
 def _pipeline_ep_worker(overrides, schedules):
     """Per schedule: the losses, the first step's gradients and the final params, all full trees
-    (``"name:serial"``: the schedule with its overlapped pairs run one member after the other)."""
+    (``"name:turns"``: the schedule with its overlapped pairs taking turns at their exchanges)."""
     out = {}
     for name in schedules:
-        schedule, _, serial = name.partition(":")
-        cfg, model, params, _, batches = setup([*FOUR_LAYERS, *overrides, f"pipeline.schedule={schedule}"], MOE)
+        schedule, _, turns = name.partition(":")
+        cfg, model, params, _, batches = setup([*FOUR_LAYERS, *overrides, f"pipeline.schedule={schedule}",
+                                                f"pipeline.overlap_pairs={bool(turns)}"], MOE)
         step = build_pipeline_step(cfg, model, params)
-        step.overlap_pairs = not serial
-        step.record = name == "dualpipev"   # the trace of the pairs (EP: a member's exchange waits)
+        step.record = bool(turns)   # the trace of the pairs (EP: a member's exchange waits)
         local = step.scatter(params)
         state = step.optimizer.init(local)
         losses, grads, loads = [], None, []
@@ -96,15 +96,15 @@ def test_pp2_ep2_dualpipev_pairs_compute_while_the_other_members_all_to_all_is_i
     two one after the other."""
     per_rank = pp2_ep2_runs
     for r in per_rank:
-        overlapped, serial = r["dualpipev"], r["dualpipev:serial"]
+        overlapped, serial = r["dualpipev:turns"], r["dualpipev"]
         assert torch.equal(overlapped["losses"], serial["losses"])
         for key in ("grads", "params"):
             assert all(torch.equal(a, b) for a, b in zip(tree_leaves(overlapped[key]), tree_leaves(serial[key])))
         assert serial["turns"] == []
     # pp rank 1 (global ranks 2, 3) runs F2@s1 + B0@s2 first: a one-layer MoE stage each
-    turns = {f"{f}+{b}": log for f, b, log in per_rank[2]["dualpipev"]["turns"]}
+    turns = {f"{f}+{b}": log for f, b, log in per_rank[2]["dualpipev:turns"]["turns"]}
     assert set(turns) == {"F2@s1+B0@s2", "F2@s2+B0@s1", "F3@s1+B1@s2"}
-    assert [r["dualpipev"]["turns"] for r in per_rank[2:]] == [per_rank[2]["dualpipev"]["turns"]] * 2
+    assert [r["dualpipev:turns"]["turns"] for r in per_rank[2:]] == [per_rank[2]["dualpipev:turns"]["turns"]] * 2
     log = turns["F2@s1+B0@s2"]
     # F: counts exchange, dispatch, combine; B: the two gradient exchanges. Each wait hands the turn over.
     assert log[:4] == [(0, "start"), (0, "handoff"), (1, "start"), (1, "handoff")]
@@ -112,7 +112,7 @@ def test_pp2_ep2_dualpipev_pairs_compute_while_the_other_members_all_to_all_is_i
     assert [e for who, e in log if who == 1].count("handoff") == 2
     assert log.index((1, "start")) < log.index((0, "end")) and log.index((0, "start")) < log.index((1, "end"))
     # the trace shows them: one EP stretch per handoff that the member's program resumed after
-    waits = per_rank[2]["dualpipev"]["exchange_waits"]
+    waits = per_rank[2]["dualpipev:turns"]["exchange_waits"]
     assert waits.count("EXCHANGE_F2@s1") == 3 and waits.count("EXCHANGE_B0@s2") == 2
 
 
