@@ -29,11 +29,13 @@ whole pipeline step, whose communication is the P2P messages between its stages:
 waits on each receive where the schedule posts it, ``after`` where its tensor is read (the
 executor's default). It reports both step times and, per rank, the time blocked on P2P (posting
 and waiting; pipeline idling is in it too, so there is no compute-only variant).
-``pp2_ep2_dualpipev`` (4 ranks) adds expert parallelism inside each stage: there ``after`` runs
-each overlapped pair one member after the other, and ``after_paired`` (the default) lets the
-members take turns at their MoE exchange waits (``runtime.interleave``).
+``pp2_ep2_dualpipev`` (4 ranks) adds expert parallelism inside each stage, and ``ep2_dualpipev``
+(2 ranks) runs DualPipeV's V on one pipeline rank with ep2: there ``after`` runs each overlapped
+pair one member after the other (the default), and ``after_paired`` lets the members take turns
+at their MoE exchange waits (``pipeline.overlap_pairs``, ``runtime.interleave``).
 
     python benchmarks/bench_overlap.py --layouts pp2_dualpipev --pairs 15
+    python benchmarks/bench_overlap.py --layouts ep2_dualpipev --pairs 21 --out benchmarks/results/bench_overlap_pairs.json
 """
 
 from __future__ import annotations
