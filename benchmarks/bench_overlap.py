@@ -35,7 +35,8 @@ pair one member after the other (the default), and ``after_paired`` lets the mem
 at their MoE exchange waits (``pipeline.overlap_pairs``, ``runtime.interleave``).
 
     python benchmarks/bench_overlap.py --layouts pp2_dualpipev --pairs 15
-    python benchmarks/bench_overlap.py --layouts ep2_dualpipev --pairs 21 --out benchmarks/results/bench_overlap_pairs.json
+    python benchmarks/bench_overlap.py --layouts ep2_dualpipev --pairs 21 \
+        --out benchmarks/results/bench_overlap_pairs.json
 """
 
 from __future__ import annotations
