@@ -148,7 +148,8 @@ def pipeline_worker(runs):
                     "params": step.gather(local), "comm": step.comm_report(), "memory": step.memory_report(),
                     "pp_rank": step.pp_rank, "stages": step.stages, "built": sum(asked),
                     "held": sum(t.numel() for t in tree_leaves(local)), "total": sum(t.numel() for t in
-                                                                                    tree_leaves(params))})
+                                                                                    tree_leaves(params)),
+                    "handoffs": sum(event == "handoff" for _, _, log in step.last_run.turns for _, event, _ in log)})
     return out
 
 

@@ -127,6 +127,9 @@ MOE_RUNS = [
     (MOE, ["mesh.pp=2", "mesh.fsdp=2", "mesh.ep=2", "pipeline.schedule=zbh1", "pipeline.microbatches=2"]),
     (MOE, ["mesh.pp=2", "mesh.ep=2", "mesh.tp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"]),
     (LLAMA, ["mesh.pp=2", "mesh.dp=2", "mesh.fsdp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2"]),
+    # DualPipeV's pairs taking turns at their exchanges while tp's collectives run inside each member
+    (MOE, [*FOUR, "mesh.pp=2", "mesh.ep=2", "mesh.tp=2", "pipeline.schedule=dualpipev", "pipeline.microbatches=4",
+           "pipeline.overlap_pairs=true"]),
 ]
 
 
@@ -137,9 +140,19 @@ def eight_rank_runs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(MOE_RUNS)),
-                         ids=["moe-pp2xfsdp2xep2-1f1b", "moe-pp2xfsdp2xep2-zbh1", "moe-pp2xep2xtp2", "llama-pp2xhsdp"])
+                         ids=["moe-pp2xfsdp2xep2-1f1b", "moe-pp2xfsdp2xep2-zbh1", "moe-pp2xep2xtp2", "llama-pp2xhsdp",
+                              "moe-pp2xep2xtp2-dualpipev-turns"])
 def test_eight_rank_layouts_match_one_device(eight_rank_runs, index):
     _check(eight_rank_runs[index], *MOE_RUNS[index])
+
+
+@pytest.mark.slow
+def test_dualpipev_pairs_took_turns_at_their_exchanges_with_tp_inside(eight_rank_runs):
+    """The last run's pairs handed the turn over at their all-to-all waits, as many times on every rank
+    of a pipeline rank (its ep and tp peers run the same pairs)."""
+    handoffs = {(r["pp_rank"], r["handoffs"]) for r in eight_rank_runs[4]}
+    assert len(handoffs) == 2 and all(n > 0 for _, n in handoffs)
+    assert all(r["handoffs"] == 0 for run in eight_rank_runs[:4] for r in run)
 
 
 @pytest.mark.slow
