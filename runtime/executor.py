@@ -10,6 +10,9 @@ first used (the compute action that reads it), so a message travels while the co
 that runs: in DualPipeV's overlapped pairs, the backward's gradient arrives during the other
 chunk's forward. That only waits later than the blocking batches the schedule validator checks,
 so a validated schedule cannot deadlock. Buffers have static shapes, known from the fake trace.
+With ``overlap_pairs``, each overlapped pair (``partition.schedules.pair_overlaps``: an ``F`` and
+the other chunk's ``B``) runs as one step whose two members take turns at their MoE exchange
+waits (``runtime.interleave``), one computing while the other's all-to-all is in flight.
 ``runtime.pipeline_step`` turns one run into a training step.
 
     out = run_schedule(pipe, get_schedule("1f1b", 2, 4), rank, held, microbatches, group=pp_group)
