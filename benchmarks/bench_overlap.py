@@ -269,12 +269,10 @@ def _pipelined(overrides) -> bool:
 
 
 def _ranks(overrides) -> int:
-    """The world size a layout's ``mesh.*`` overrides make (2 for the one-axis layouts)."""
-    n = 1
-    for o in overrides:
-        key, _, value = o.partition("=")
-        n *= int(value) if key.startswith("mesh.") else 1
-    return n
+    """The world size a layout's overrides make (2 for the one-axis layouts)."""
+    from shardfn.config import load_config
+
+    return load_config("moe_tiny", [*MODEL, *overrides]).mesh.world_size
 
 
 def _worker(layouts, pairs, warmup, backend):
