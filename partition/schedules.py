@@ -956,20 +956,21 @@ def pair_overlaps(schedule: Schedule) -> tuple[Schedule, frozenset[tuple[int, Ac
         out, i = [], 0
         while i < len(program):
             a, j = program[i], i + 1
-            while j < len(program) and program[j].is_comm and a.kind == "F":
-                j += 1
-            b = program[j] if j < len(program) else None
-            between = program[i + 1:j]
-            sends = [c for c in between if c.kind == "SEND_F" and (c.stage, c.microbatch) == (a.stage, a.microbatch)]
-            if a.kind == "F" and b is not None and b.kind == "B" and b.stage != a.stage and all(
-                    c in sends or (c.kind == "RECV_B" and (c.stage, c.microbatch) == (b.stage, b.microbatch))
-                    for c in between):
-                pairs.add((r, a, b))
-                out += [c for c in between if c not in sends] + [a, b, *sends]
-                i = j + 1
-            else:
-                out.append(a)
-                i += 1
+            if a.kind == "F":
+                while j < len(program) and program[j].is_comm:
+                    j += 1
+                b, between = (program[j] if j < len(program) else None), program[i + 1:j]
+                sends = [c for c in between
+                         if c.kind == "SEND_F" and (c.stage, c.microbatch) == (a.stage, a.microbatch)]
+                recvs = [c for c in between if c.kind == "RECV_B" and b is not None
+                         and (c.stage, c.microbatch) == (b.stage, b.microbatch)]
+                if b is not None and b.kind == "B" and b.stage != a.stage and len(sends) + len(recvs) == len(between):
+                    pairs.add((r, a, b))
+                    out += [*recvs, a, b, *sends]
+                    i = j + 1
+                    continue
+            out.append(a)
+            i += 1
         actions.append(tuple(out))
     if not pairs:
         return schedule, frozenset()

@@ -135,6 +135,12 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *,
     return (out, work) if async_op else out
 
 
+def _wait(work) -> None:
+    """Wait on an issued exchange; in an overlapped pair, the other member computes meanwhile."""
+    with handoff():
+        work.wait()
+
+
 def _route(x, idx, n_experts: int, capacity_factor: float, group):
     """This rank's assignments sorted by expert (capacity applied) and the exchange's splits:
     ``(order, tok, send, in_splits, out_splits, recv_counts, dropped)``; the per-expert counts
@@ -160,8 +166,7 @@ def _route(x, idx, n_experts: int, capacity_factor: float, group):
     in_splits = counts.view(n, e_local).sum(1).tolist()
     recv_counts = torch.empty_like(counts)
     work = dist.all_to_all_single(recv_counts, counts, group=group, async_op=True)  # [n*E_local]: from s for my e
-    with handoff():
-        work.wait()
+    _wait(work)
     recv_counts = recv_counts.view(n, e_local)
     return order, tok, send, in_splits, recv_counts.sum(1).tolist(), recv_counts, dropped
 
@@ -201,8 +206,7 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     y_shared = _swiglu(x, *shared) if shared is not None else None  # overlaps the exchange
     combines, saved = [], []
     for (rows, order, tok, send, in_splits, out_splits, recv_counts), (recv, work) in zip(parts, pending):
-        with handoff():
-            work.wait()
+        _wait(work)
         expert_of_row = torch.arange(e_local).repeat(n).repeat_interleave(recv_counts.reshape(-1))
         perm = torch.argsort(expert_of_row, stable=True)         # received -> expert-major
         offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
@@ -215,8 +219,7 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
         saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs])
     y_assign = x.new_zeros((T * k, D))
     for (back, work), (rows, tok, order, *rest) in zip(combines, saved):
-        with handoff():
-            work.wait()
+        _wait(work)
         part = y_assign[rows.start * k:rows.stop * k]            # [A, D] back in `order` order
         part[order] = back
     y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
@@ -251,8 +254,7 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
         shared_grads = pull_shared(grad_y)
     dw, combines = None, []
     for c, (d_recv, work) in zip(s.chunks, pending):
-        with handoff():
-            work.wait()
+        _wait(work)
         d_out = d_recv[c.perm]
         _, pullback = torch.func.vjp(lambda xs, a, b, w: _expert_ffn(xs, c.offs, a, b, w), c.xs, w1, w2, w3)
         dxs, *dw_c = pullback(d_out)
@@ -263,8 +265,7 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
         combines.append(_a2a(d_back, c.in_splits, c.out_splits, s.group, async_op=True))
     dx = torch.zeros((T, D), dtype=grad_y.dtype)
     for c, (d_src, work) in zip(s.chunks, combines):
-        with handoff():
-            work.wait()
+        _wait(work)
         dx.index_add_(0, c.tok + c.rows.start, d_src)
     if shared_grads is None:
         return (dx, dweights, *dw)
