@@ -69,11 +69,13 @@ def handoff():
         turns.take(me, "resume")
 
 
-def _member(turns: _Turns, me: int, fn: Callable[[], None], grad: bool, threads: int) -> BaseException | None:
+def _member(turns: _Turns, me: int, fn: Callable[[], None], grad: bool,
+            threads: int | None = None) -> BaseException | None:
     _seat.seat = (turns, me)
     try:
         turns.take(me, "start")
-        torch.set_num_threads(threads)
+        if threads is not None:  # the helper thread: the caller's intra-op threads
+            torch.set_num_threads(threads)
         with torch.set_grad_enabled(grad):
             fn()
         return None
@@ -99,7 +101,7 @@ def run_pair(first: Callable[[], None], second: Callable[[], None]) -> list[tupl
     turns = _Turns()
     grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
     other = _second.submit(_member, turns, 1, second, grad, threads)
-    errors = [_member(turns, 0, first, grad, threads), other.result()]
+    errors = [_member(turns, 0, first, grad), other.result()]
     for e in errors:
         if e is not None:
             raise e
