@@ -24,10 +24,11 @@ tensors of one dtype and device, a transform works on the flat list of leaves wi
 ``torch._foreach_*`` kernel per list, as ``torch.optim``'s ``foreach`` implementations do, and
 writes in place only into tensors it has just made; the step's inputs are never written.
 Traced (``make_fx``, ``torch.compile``, the partitioner) or on DTensors, it is one op per leaf,
-the graph the partitioner shards and the memory reports measure. The two agree to float
-rounding: the eager form takes ``v`` as ``addcmul`` and the decay as ``add(u, p, alpha=wd)``
-(one rounding each, as ``torch.optim`` does) and the clipping norm as the norm of the leaves'
-norms (as ``clip_grad_norm_`` does).
+the graph the partitioner shards and the memory reports measure. Leaf by leaf it takes the same
+ops in the same order as the eager form (``v`` as ``addcmul``, the decay as ``add(u, p,
+alpha=wd)``, one rounding each as in ``torch.optim``), so the two agree bit for bit; they differ
+only in the clipping norm, taken traced as ``sqrt(sum(x ** 2))`` (a sum the partitioner can
+reduce over the mesh) and eagerly as the norm of the leaves' norms (as ``clip_grad_norm_``).
 """
 
 from __future__ import annotations
@@ -288,7 +289,8 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             return tree_unflatten(treedef, direction), state
         count = state.count + 1
         mu = tree_map(lambda m, g: torch.lerp(m, g.to(m.dtype), 1.0 - b1), state.mu, updates)
-        nu = tree_map(lambda v, g: v * b2 + (1.0 - b2) * torch.square(g.to(v.dtype)), state.nu, updates)
+        nu = tree_map(lambda v, g: torch.addcmul(v * b2, g.to(v.dtype), g.to(v.dtype), value=1.0 - b2),
+                      state.nu, updates)  # as the eager form: one rounding for b2 v + (1 - b2) g^2
         bc1 = _one_minus_pow(b1, count)
         bc2_sqrt = torch.sqrt(_one_minus_pow(b2, count))
         new = tree_map(lambda m, v: (m / bc1.to(m.dtype)) / (torch.sqrt(v) / bc2_sqrt.to(v.dtype) + eps), mu, nu)
@@ -318,7 +320,7 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         p = _same_structure(params, treedef, "add_decayed_weights: params")
         if _foreach(u, p):
             return tree_unflatten(treedef, torch._foreach_add(u, p, alpha=weight_decay)), state
-        return tree_map(lambda u, p: u + weight_decay * p.to(u.dtype), updates, params), state
+        return tree_map(lambda u, p: torch.add(u, p.to(u.dtype), alpha=weight_decay), updates, params), state
 
     return GradientTransformation(init, update)
 
@@ -410,7 +412,7 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
 
     Masked-off leaves are left exactly untouched (no step, no weight decay), and ``inner`` sees a
     zero gradient for them so its statistics stay zero. The state keeps the parameters' full tree
-    structure, so specs that address parameters address their optimizer state too. Eagerly, only
+    structure, so specs that address parameters address their optimizer state too. Only
     the masked-off leaves cost anything (with every leaf selected this is ``inner`` itself).
 
     Args:
@@ -431,9 +433,6 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
                             "build the mask with map_with_path(lambda path, x: ..., params).")
         return m
 
-    def select(m, keep, tree, other):
-        return tree_map(lambda b, x, y: x if b == keep else y, m, tree, other)
-
     def init(params):
         return inner.init(params)
 
@@ -441,18 +440,14 @@ def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformat
         if params is None:
             raise ValueError("masked(...) needs the parameters to resolve its mask: call update(grads, state, params).")
         m = resolve(params)
-        if eager():  # zeros only where the mask is off, and no pass at all where it is on everywhere
-            u, treedef = tree_flatten(updates)
-            keep = tree_leaves(optree.tree_broadcast_prefix(m, updates, none_is_leaf=False))
-            if all(keep):
-                return inner.update(updates, state, params)
-            zeros = [None if k else torch.zeros_like(x) for k, x in zip(keep, u)]
-            chosen = tree_unflatten(treedef, [x if k else z for k, x, z in zip(keep, u, zeros)])
-            new, state = inner.update(chosen, state, params)
-            return tree_unflatten(treedef, [x if k else z for k, x, z in zip(keep, tree_leaves(new), zeros)]), state
-        zeros = tree_map(torch.zeros_like, updates)
-        new, state = inner.update(select(m, True, updates, zeros), state, params)
-        return select(m, True, new, zeros), state
+        u, treedef = tree_flatten(updates)
+        keep = tree_leaves(optree.tree_broadcast_prefix(m, updates, none_is_leaf=False))
+        if all(keep):  # no pass at all where the mask is on everywhere
+            return inner.update(updates, state, params)
+        zeros = [None if k else torch.zeros_like(x) for k, x in zip(keep, u)]  # only where it is off
+        chosen = tree_unflatten(treedef, [x if k else z for k, x, z in zip(keep, u, zeros)])
+        new, state = inner.update(chosen, state, params)
+        return tree_unflatten(treedef, [x if k else z for k, x, z in zip(keep, tree_leaves(new), zeros)]), state
 
     return GradientTransformation(init, update)
 

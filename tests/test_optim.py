@@ -281,6 +281,29 @@ def test_eager_foreach_form_matches_the_traced_form_and_writes_no_input():
     assert torch.equal(eager_p["layers"]["norm"], params["layers"]["norm"])  # masked off: untouched
 
 
+def test_traced_adamw_takes_the_eager_forms_ops_leaf_by_leaf():
+    """Traced (the per-rank programs of a mesh run eagerly), AdamW makes the same full-size tensors
+    per leaf as its eager foreach form, in the same order, so the two agree bit for bit; and no
+    more of them than that form: lerp, mul + addcmul, sqrt, div, add, div, div, add (decay), mul
+    (lr), and the update's add: 11 per leaf, and one zero-filled gradient for the masked-off leaf."""
+    mask = {"embed": True, "layers": {"w": True, "norm": False}, "bias": True}
+    opt, params = optim.adamw(optim.warmup_cosine(1e-2, 2, 10, 0.1), 0.9, 0.95, weight_decay=0.1, mask=mask), _params(4)
+
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optim.apply_updates(params, updates), state
+
+    traced = make_fx(step)(params, opt.init(params), _grads(0, params))
+    full_size = [n for n in traced.graph.nodes if n.op == "call_function" and getattr(n.meta.get("val"), "ndim", 0) > 0]
+    assert len(full_size) == 11 * len(tree_leaves(params)) + 1
+    eager_p, eager_s, traced_p, traced_s = params, opt.init(params), params, opt.init(params)
+    for s in range(3):
+        grads = _grads(s, params)
+        eager_p, eager_s = step(eager_p, eager_s, grads)
+        traced_p, traced_s = traced(traced_p, traced_s, grads)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((eager_p, eager_s)), tree_leaves((traced_p, traced_s))))
+
+
 def test_adamw_eager_is_the_chain_it_stands_for():
     params, lr = _params(4), optim.warmup_cosine(1e-2, 2, 10, 0.1)
     fused = optim.adamw(lr, 0.9, 0.95, weight_decay=0.1)
