@@ -7,6 +7,9 @@
     (clipping and AdamW included), against the same model as an ``nn.Module`` under torch's
     ``DistributedDataParallel`` and ``fully_shard`` with ``clip_grad_norm_`` and
     ``torch.optim.AdamW`` (foreach), from the same weights (target: <= 1.0x);
+    With ``--compute-only``, dp's two sides run again with their all-reduces taken out (shardfn's
+    program returns each all-reduce's input, DDP's buckets go through a comm hook that keeps
+    them): the ratio of the compute alone, and what the communication costs each side;
 (c) lowering time (trace + propagate + collectives) of llama as ``n_layers`` grows 2 -> 32
     (must grow at most linearly);
 (d) ``--ab A B``: shardfn's own step under two sets of overrides (each a space-separated list),
@@ -18,6 +21,7 @@ median of the per-pair ratios, so load that comes and goes hits both sides of a 
 
     python benchmarks/bench_partition.py [--out benchmarks/results/bench_partition.json] [--quick] [--parts b]
     python benchmarks/bench_partition.py --parts b --layouts fsdp partition.overlap=true
+    python benchmarks/bench_partition.py --parts b --layouts dp --compute-only
     python benchmarks/bench_partition.py --layouts dp --ab partition.overlap=false partition.overlap=true
 """
 
@@ -169,13 +173,15 @@ def _shardfn_side(layout: str, pairs: int, overrides: tuple = ()):
     return run, step, cfg, params, batches
 
 
-def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
+def _layout_worker(layout: str, pairs: int, overrides: tuple = (), compute_only: bool = False) -> dict:
     """On each of 2 gloo ranks: ``shardfn train``'s step on ``mesh.<layout>=2`` against the
-    nn.Module under DDP / fully_shard, alternated, each fed its own previous outputs."""
+    nn.Module under DDP / fully_shard, alternated, each fed its own previous outputs. With
+    ``compute_only`` (dp), then both again with their all-reduces taken out (``compute_only``)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    run_ours, ours, cfg, params, batches = _shardfn_side(layout, pairs, overrides)
+    rounds = 2 if compute_only else 1
+    run_ours, ours, cfg, params, batches = _shardfn_side(layout, rounds * (pairs + 3), overrides)
     theirs = _module_step(cfg, params, layout, ours.mesh)
     rank, half = dist.get_rank(), cfg.train.batch_size // 2
     seen = [0]
@@ -188,7 +194,41 @@ def _layout_worker(layout: str, pairs: int, overrides: tuple = ()) -> dict:
     for _ in range(3):  # the first steps: lowering, allocator warm-up
         run_ours()
         run_theirs()
-    return alternated(run_ours, run_theirs, pairs)
+    out = alternated(run_ours, run_theirs, pairs)
+    if compute_only:
+        _without_all_reduces(ours, theirs)
+        for _ in range(3):
+            run_ours()
+            run_theirs()
+        out["compute_only"] = alternated(run_ours, run_theirs, pairs)
+    return out
+
+
+def _without_all_reduces(ours, theirs) -> None:
+    """Both dp sides with their all-reduces taken out (each rank keeps its own gradients): every
+    all-reduce of shardfn's per-rank program returns its input, and DDP's buckets go through a
+    comm hook that returns them as they are. What is left is each side's compute."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def identity(x, *args):
+        return x
+
+    for lowered in ours.jitted._cache.values():  # the programs this run has lowered
+        gm = lowered.graph_module
+        for node in gm.graph.nodes:
+            if node.target is torch.ops._c10d_functional.all_reduce.default:
+                node.target = identity
+        gm.recompile()
+    cells = dict(zip(theirs.__code__.co_freevars, (c.cell_contents for c in theirs.__closure__)))
+    module = cells["module"]
+    assert isinstance(module, DistributedDataParallel)
+
+    def keep_bucket(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    module.register_comm_hook(None, keep_bucket)
 
 
 def _ab_worker(layout: str, pairs: int, a: tuple, b: tuple) -> dict:
@@ -243,6 +283,8 @@ def main() -> None:
     parser.add_argument("--ab", nargs=2, metavar=("A", "B"), default=None,
                         help="(d): two sets of overrides for shardfn's step, each space-separated; "
                              "runs only (d)")
+    parser.add_argument("--compute-only", action="store_true",
+                        help="(b), dp: then both sides again with their all-reduces taken out")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="(b): config overrides for shardfn's side, e.g. partition.overlap=true")
     args = parser.parse_args()
@@ -264,10 +306,16 @@ def main() -> None:
         print(f"(a) 1 rank   partitioned/plain compile = {result['one_rank']['ratio']:.3f}x  (target <= 1.05)")
     torch_side = {"dp": "DistributedDataParallel", "fsdp": "fully_shard"}
     for layout in (args.layouts.split(",") if "b" in parts else ()):
-        r = spawn(_layout_worker, 2, args=(layout, steps, tuple(args.overrides)), timeout_s=900)[0]
+        compute_only = args.compute_only and layout == "dp"
+        r = spawn(_layout_worker, 2, args=(layout, steps, tuple(args.overrides), compute_only), timeout_s=900)[0]
         result[f"{layout}2"] = r
         print(f"(b) {layout}2 vs {torch_side[layout]}: {r['ratio']:.3f}x  ({r['shardfn_s']*1e3:.1f} ms vs "
               f"{r['torch_s']*1e3:.1f} ms, median of {r['pairs']} alternated pairs; target <= 1.0)")
+        if compute_only:
+            c = r["compute_only"]
+            print(f"(b) {layout}2 vs {torch_side[layout]}, all-reduces taken out: {c['ratio']:.3f}x  "
+                  f"({c['shardfn_s']*1e3:.1f} ms vs {c['torch_s']*1e3:.1f} ms); the all-reduces cost "
+                  f"{(r['shardfn_s'] - c['shardfn_s'])*1e3:.1f} ms vs {(r['torch_s'] - c['torch_s'])*1e3:.1f} ms")
     if "c" in parts:
         counts = [2, 4, 8] if args.quick else [2, 4, 8, 16, 32]
         rows = lowering_times(counts)
