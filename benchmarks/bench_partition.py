@@ -213,7 +213,7 @@ def _without_all_reduces(ours, theirs) -> None:
     def identity(x, *args):
         return x
 
-    for lowered in ours.jitted._cache.values():  # the programs this run has lowered
+    for lowered in ours.jitted.programs():  # the programs this run has lowered
         gm = lowered.graph_module
         for node in gm.graph.nodes:
             if node.target is torch.ops._c10d_functional.all_reduce.default:

@@ -191,6 +191,14 @@ class Jitted:
         self.sequence_parallel = _sequence_axes(sequence_parallel, mesh)
         self._cache: dict[Any, LoweredStep] = {}
 
+    def programs(self) -> list[LoweredStep]:
+        """The per-rank programs lowered so far, one per input signature, the first first.
+
+            step(params, batch)
+            print(step.programs()[0].as_text())
+        """
+        return list(self._cache.values())
+
     def lower(self, *args) -> LoweredStep:
         """Trace + annotate + propagate + insert collectives (no compile yet)."""
         key = _signature(args)

@@ -114,6 +114,7 @@ def _local_map_worker():
     w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
     step = sf.jit(region_step, mesh, in_specs=(P(), P("dp")), out_specs=(P(), P()), backend=None)
     new_w, loss = step(w, x)
+    assert step.programs() == [step.lower(w, x)]  # the one program that call lowered
     return new_w.full_tensor(), loss.full_tensor(), step.lower(w, x).comm_report()
 
 
