@@ -114,7 +114,7 @@ def test_one_device_program_holds_less_with_each_policy():
     step = make_train_step(model, cfg.model, opt)
     peak = {p: peak_temporary_bytes(remat(trace(step, (params, opt.init(params), batch)).graph_module, p))
             for p in POLICIES}
-    assert peak == {"none": 24105164, "selective": 21471496, "full": 11522280}
+    assert peak == {"none": 24105164, "selective": 21479688, "full": 11530472}
 
 
 def _toy_step():
