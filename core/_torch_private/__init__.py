@@ -326,12 +326,6 @@ def ops_intercepted() -> bool:
     return torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0
 
 
-def transforms_active() -> bool:
-    """Whether a ``torch.func`` transform (grad, vmap, jvp, functionalize) is active right now;
-    unlike :func:`ops_intercepted`, a tracer or fake mode alone does not count. A flag read."""
-    return torch._C._are_functorch_transforms_active()
-
-
 def profiler_enabled() -> bool:
     """Whether a profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``) is
     recording right now."""
