@@ -333,6 +333,10 @@ def run_schedule(
     if unsplit:
         raise ValueError(f"stages {unsplit} have no F/I/W programs; build the pipeline with split=None or "
                          f"split=schedule.stages_of({pp_rank})")
+    foreign = next((a for a in schedule.actions[pp_rank] if not a.is_comm and a.stage not in mine), None)
+    if foreign is not None:
+        raise ValueError(f"rank {pp_rank} was given {foreign}, but stage {foreign.stage} lives on rank "
+                         f"{schedule.stage_to_rank[foreign.stage]}")
     pairs: frozenset = frozenset()
     if overlap_pairs:
         schedule, pairs = pair_overlaps(schedule)
@@ -345,10 +349,6 @@ def run_schedule(
         while i < len(steps):
             step, a = steps[i], steps[i][0]
             i += 1
-            for c in step:
-                if not c.is_comm and c.stage not in mine:
-                    raise ValueError(f"rank {pp_rank} was given {c}, but stage {c.stage} lives on rank "
-                                     f"{schedule.stage_to_rank[c.stage]}")
             if a.is_comm:
                 t0 = time.perf_counter_ns() if record else 0
                 rank.communicate(step)

@@ -5,6 +5,7 @@ layers with RMSNorm, output head, cross-entropy) for 3 steps per schedule on pp2
 pp2 x dp2, and the results are compared with the same steps on one device (fp32, rtol 1e-5).
 """
 
+import dataclasses
 import json
 
 import fixtures
@@ -215,6 +216,16 @@ def test_errors_name_the_fix():
         make_pipeline_step(pipe, get_schedule("1f1b", 1, 4), None)
     with pytest.raises(ValueError, match=r"receive_at='later': use 'use' \(wait where the tensor is read\)"):
         executor.run_schedule(pipe, get_schedule("interleaved_1f1b", 1, 4, 2), 0, {}, [], receive_at="later")
+    # a rank's program naming a stage another rank holds is refused before anything runs, also
+    # where that action would be a member of an overlapped pair
+    two = build_pipeline(tiny_loss, params, {k: v[:2] for k, v in batch.items()}, 2)
+    sched = get_schedule("1f1b", 2, 4)
+    f0_s1 = next(a for a in sched.actions[1] if a.kind == "F")
+    stray = dataclasses.replace(sched, actions=(sched.actions[0] + (f0_s1,), sched.actions[1]))
+    mbs = executor.split_microbatches(batch, 4)
+    for overlap_pairs in (False, True):
+        with pytest.raises(ValueError, match=r"rank 0 was given F\(stage=1, mb=0\), but stage 1 lives on rank 1"):
+            executor.run_schedule(two, stray, 0, {0: stage_params(params, two, 0)}, mbs, overlap_pairs=overlap_pairs)
 
 
 # ------------------------------------------------------------------ llama_tiny from a run config
