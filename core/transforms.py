@@ -8,12 +8,16 @@ tuples, NamedTuples) as the differentiated arguments, and stay traceable by ``ma
     loss, grads = value_and_grad(model.loss)(params, batch, cfg)
     (loss, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
 
-Where nothing composes with the gradient (:func:`eager`: no ``torch.func`` transform around the
-call and no tracer; and no argument leaf that already requires grad), :func:`value_and_grad`
+Where nothing composes with the gradient (no ``torch.func`` transform around the call, not
+inside ``torch.compile``, and no argument leaf that already requires grad), :func:`value_and_grad`
 takes it with plain ``torch.autograd.grad`` on fresh leaves (``detach().requires_grad_()``)
-instead: the same function of the same inputs, without the transform's per-op wrapping (half
-again the time of a small model's eager forward and backward). Everywhere else, and for
-:func:`grad`, it is ``torch.func``'s, which composes.
+instead: the same function of the same inputs. Eagerly that saves the transform's per-op
+wrapping (half again the time of a small model's eager forward and backward). Under ``make_fx``
+(the partitioner's trace) it records autograd's own backward kernels, as AOTAutograd's joint
+graphs do, where ``torch.func`` (whose gradients must stay differentiable) records the
+differentiable forms of some: ``silu``'s backward as eight ops on full-size tensors instead of
+``silu_backward``. Inside a transform or ``torch.compile``, and for :func:`grad`, it is
+``torch.func``'s, which composes.
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ def _plain_autograd(args: tuple, argnums: int | tuple[int, ...]) -> bool:
     """Take the gradient with ``torch.autograd.grad``: nothing composes with it (see the module
     docstring). An argument leaf that requires grad belongs to an outer autograd graph, which
     only ``torch.func`` keeps (its gradients are themselves differentiable)."""
-    if not eager():
+    from shardfn.core._torch_private import transforms_active
+
+    if torch.compiler.is_compiling() or transforms_active():
         return False
     nums = (argnums,) if isinstance(argnums, int) else argnums
     if any(not -len(args) <= i < len(args) for i in nums):
@@ -114,11 +120,11 @@ def _value_and_grad_autograd(fn: Callable, argnums: int | tuple[int, ...], has_a
 def value_and_grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) -> Callable:
     """``fn``'s value and its gradient with respect to the arguments at ``argnums``.
 
-    Eagerly, with nothing composing (:func:`eager`, and no argument leaf requiring grad), the
-    gradient is taken by ``torch.autograd.grad`` on fresh leaves; inside a ``torch.func``
-    transform, under ``make_fx`` or ``torch.compile`` it is ``torch.func.grad_and_value``. Both
-    compute the same function of the same inputs; their backward kernels may differ in float
-    rounding (``torch.func`` decomposes some, e.g. ``silu``'s).
+    With nothing composing (no ``torch.func`` transform around the call, not under
+    ``torch.compile``, and no argument leaf requiring grad), eagerly or under ``make_fx``, the
+    gradient is taken by ``torch.autograd.grad`` on fresh leaves; otherwise it is
+    ``torch.func.grad_and_value``. Both compute the same function of the same inputs; their
+    backward kernels may differ in float rounding (``torch.func`` decomposes some, e.g. ``silu``'s).
 
     Args:
         fn: a function returning a 0-d tensor, or ``(0-d tensor, aux)`` when ``has_aux``.

@@ -179,6 +179,29 @@ def _add_tree(node: fx.Node) -> list[fx.Node]:
     return leaves
 
 
+def drop_detaches(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every ``aten.detach`` of a traced graph that the output does not read, replaced by its
+    input (in place). A traced graph is already differentiated, so a detach is the identity
+    there. Taken out, a parameter that a gradient's fresh leaf read through one
+    (``core.transforms.value_and_grad``) is read directly again, as every pass after tracing
+    expects (fsdp's gather at each use), and autograd's saved values are read without the two
+    detaches it recorded for each. A detach the output reads (a metric's ``loss.detach()``)
+    stays where the step made it.
+
+        gm = drop_detaches(gm)   # the same outputs, no aten.detach but the outputs' own
+    """
+    detach = torch.ops.aten.detach.default
+    found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is detach
+             and not any(u.op == "output" for u in n.users)]
+    for node in found:
+        node.replace_all_uses_with(node.args[0])
+        gm.graph.erase_node(node)
+    if found:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
 def stack_gradients(gm: fx.GraphModule) -> fx.GraphModule:
     """Every gradient of a stacked parameter that the backward sums from per-layer
     ``select_backward`` s built by one ``stack`` instead (:func:`stack_layer_grads`), wherever it

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.constrain import tracing_scope
-from shardfn.partition.fx import stack_gradients
+from shardfn.partition.fx import drop_detaches, stack_gradients
 from shardfn.partition.local_map import collecting_regions
 
 
@@ -70,7 +70,7 @@ def trace(fn: Callable, args: tuple) -> Traced:
         seen.add(id(x))
     with collecting_regions() as regions:
         gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*distinct)
-    gm = stack_gradients(gm)
+    gm = stack_gradients(drop_detaches(gm))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     in_meta = [n.meta["val"] for n in placeholders]

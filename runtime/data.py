@@ -192,7 +192,9 @@ def get_batch(
         offsets = offsets[rows]
     windows = np.asarray(tokens[offsets[:, None] + np.arange(seq_len + 1)], dtype=np.int64)  # [B, S+1]
     windows = torch.from_numpy(windows).to(device)
-    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+    # each its own contiguous tensor, as a plan's stand-in batch is: a step traced on a slice of
+    # the windows would copy it where it flattens the targets
+    return {"inputs": windows[:, :-1].contiguous(), "targets": windows[:, 1:].contiguous()}
 
 
 def batches(

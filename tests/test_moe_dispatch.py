@@ -218,3 +218,22 @@ def test_chunked_exchange_matches_the_reference_and_moves_the_same_bytes():
             assert sum(r["bytes"] for r in three["stats"] if r["phase"] == phase) == \
                 sum(r["bytes"] for r in one["stats"] if r["phase"] == phase)
         assert [r["assignments"] for r in three["stats"][:3]] == [4 * K] * 3
+
+
+@torch.library.custom_op("shardfn_test::swiglu_vjp", mutates_args=())
+def _swiglu_vjp_in_custom_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                             dy: torch.Tensor) -> list[torch.Tensor]:
+    return [g.clone() for g in moe_dispatch._vjp(moe_dispatch._swiglu, (x, w1, w2, w3), dy)]
+
+
+def test_exchange_backward_takes_autograds_own_kernels():
+    # the exchange's custom op computes the shared experts' backward: bit for bit what plain
+    # autograd gives (the step's traced backward, when the shared experts follow the exchange);
+    # torch.func.vjp's silu backward rounds differently
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    w1, w3, w2 = torch.randn(D, H, generator=g), torch.randn(D, H, generator=g), torch.randn(H, D, generator=g)
+    leaves = [t.detach().requires_grad_() for t in (x, w1, w2, w3)]
+    want = torch.autograd.grad(moe_dispatch._swiglu(*leaves), leaves, dy)
+    got = _swiglu_vjp_in_custom_op(x, w1, w2, w3, dy)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

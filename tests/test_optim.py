@@ -325,6 +325,26 @@ def test_masked_with_every_leaf_selected_is_the_inner_transform():
     assert all(torch.equal(a, b) for a, b in zip(tree_leaves((u1, s1)), tree_leaves((u2, s2))))
 
 
+def test_value_and_grad_under_make_fx_records_autograds_own_backward_kernels():
+    """Traced (the partitioner's make_fx) with nothing composing, the gradient is autograd's:
+    ``silu``'s backward is one ``silu_backward``, not torch.func's differentiable form of eight
+    ops; inside a transform the traced gradient is still torch.func's and composes."""
+    w, x = torch.randn(5, 3), torch.randn(4, 5)
+
+    def loss(w, x):
+        return torch.nn.functional.silu(x @ w).square().mean()
+
+    def targets(fn, *args):
+        return {str(n.target) for n in make_fx(fn)(*args).graph.nodes if n.op == "call_function"}
+
+    plain = targets(lambda w, x: value_and_grad(loss)(w, x)[1], w, x)
+    assert "aten.silu_backward.default" in plain and "aten.sigmoid.default" not in plain
+    composed = targets(lambda w, x: torch.func.vmap(lambda xi: value_and_grad(loss)(w, xi[None])[1])(x), w, x)
+    assert "aten.silu_backward.default" not in composed and "aten.sigmoid.default" in composed
+    graph_grad = make_fx(lambda w, x: value_and_grad(loss)(w, x)[1])(w, x)(w, x)
+    torch.testing.assert_close(graph_grad, torch.func.grad(loss)(w, x))
+
+
 def test_value_and_grad_takes_plain_autograd_eagerly_and_composes_under_transforms():
     params, x = _params(), torch.randn(4, 7)
     seen = []

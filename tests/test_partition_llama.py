@@ -110,3 +110,8 @@ def test_dp2_all_reduces_each_gradient_once(planner):
     # one scalar: the loss for the metrics (its mean divides by a constant, so no count of targets
     # is all-reduced between the forward and the backward)
     assert [r["bytes"] for r in _rows(lowered, "all_reduce") if r["bytes"] <= 64] == [4]
+    # the backward is autograd's own kernels (silu's is one op); the one detach left is the loss
+    # the step returns for its metrics
+    ops = [str(n.target) for n in lowered.graph_module.graph.nodes if n.op == "call_function"]
+    assert "aten.silu_backward.default" in ops and "aten.sigmoid.default" not in ops
+    assert ops.count("aten.detach.default") == 1

@@ -29,6 +29,8 @@ holds the rest:
 - functorch's interpreter stack and the dispatch-mode stack (:func:`ops_intercepted`), and the
   profiler's enabled flag (:func:`profiler_enabled`): what ``core.transforms.eager`` and the
   layers' profiler labels ask.
+- The dispatcher's thread-local key sets (:func:`autograd_inside_custom_op`): autograd turned
+  back on inside a custom op's body, which the dispatcher runs below autograd.
 """
 
 from __future__ import annotations
@@ -324,6 +326,28 @@ def ops_intercepted() -> bool:
     transform (grad, vmap, jvp, functionalize) or a dispatch mode (make_fx's tracer,
     ``FakeTensorMode``, ``FlopCounterMode``, ...). Both checks are flag reads."""
     return torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def transforms_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vmap, jvp, functionalize) is active right now;
+    unlike :func:`ops_intercepted`, a tracer or fake mode alone does not count. A flag read."""
+    return torch._C._are_functorch_transforms_active()
+
+
+@contextlib.contextmanager
+def autograd_inside_custom_op():
+    """Autograd records again inside a ``torch.library.custom_op``'s body, which the dispatcher
+    runs with autograd's keys excluded, so ``torch.autograd.grad`` can differentiate there what
+    the body builds (what ``torch.func.vjp`` does by pushing an interpreter of its own).
+
+        with autograd_inside_custom_op(), torch.enable_grad():
+            dx, = torch.autograd.grad(f(x := x0.detach().requires_grad_()), [x], dy)
+    """
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    exclude = exclude.remove(keys.AutogradFunctionality).remove(keys.AutogradOther)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
 
 
 def profiler_enabled() -> bool:
