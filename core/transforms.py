@@ -176,6 +176,30 @@ def grad(fn: Callable, argnums: ArgNums = 0, has_aux: bool = False) -> Callable:
     return torch.func.grad(fn, argnums=_check_argnums(argnums), has_aux=has_aux)
 
 
+def autograd_vjp(fn: Callable, primals: Sequence[torch.Tensor], cotangents: Any) -> tuple:
+    """``fn``'s input cotangents at ``primals`` for its output cotangents, run now by plain
+    ``torch.autograd`` on fresh leaves: autograd's own backward kernels, those a traced step's
+    backward records (:func:`value_and_grad`), also inside a ``torch.library.custom_op``'s body,
+    where the dispatcher has autograd off. ``fn`` returns a tensor (``cotangents`` a tensor) or a
+    sequence of them (``cotangents`` one per output; outputs that do not depend on ``primals``,
+    integer ones among them, are skipped). A primal nothing depends on gets zeros.
+
+    Example:
+        dx, dw = autograd_vjp(lambda x, w: x @ w, (x, w), dy)
+    """
+    from shardfn.core._torch_private import autograd_inside_custom_op
+
+    leaves = [p.detach().requires_grad_() for p in primals]
+    with autograd_inside_custom_op(), torch.enable_grad():
+        out = fn(*leaves)
+    many = isinstance(out, (list, tuple))
+    pairs = [(o, c) for o, c in zip(out if many else [out], cotangents if many else [cotangents]) if o.requires_grad]
+    if not pairs:
+        return tuple(torch.zeros_like(x) for x in leaves)
+    outs, cots = zip(*pairs)
+    return torch.autograd.grad(outs, leaves, cots, allow_unused=True, materialize_grads=True)
+
+
 def stop_gradient(tree: Any) -> Any:
     """``tree`` with every tensor leaf detached (``jax.lax.stop_gradient``).
 

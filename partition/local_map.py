@@ -3,7 +3,7 @@
 Inside the region, ``f`` sees this rank's *local* shards (as laid out by ``in_specs``) and may
 call collectives itself (MoE dispatch does its all-to-alls here); its local outputs are
 reassembled under ``out_specs``. In the traced graph the region is one opaque node (and one for
-its backward, computed with ``torch.func.vjp`` of ``f``), so propagation never looks inside.
+its backward, computed by autograd over ``f``), so propagation never looks inside.
 On one device, and outside ``sf.jit``, ``local_map(f, ...)`` is simply ``f``.
 
     moe = sf.local_map(dispatch_and_compute, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
@@ -21,6 +21,7 @@ import optree
 import torch
 
 from shardfn.core.registry import Registry
+from shardfn.core.transforms import autograd_vjp
 from shardfn.partition.constrain import tracing
 from shardfn.partition.spec import broadcast_specs, entry_axes
 
@@ -143,8 +144,8 @@ def _(xs, rid):
 
 def vjp_flat(reg: Region, xs: list, outs: list, gs: list) -> list:
     """Input cotangents of the region at ``xs`` for output cotangents ``gs`` (zeros for
-    integer inputs). Uses the region's own ``bwd`` when it has one, else ``torch.func.vjp``
-    (which recomputes the region's forward)."""
+    integer inputs). Uses the region's own ``bwd`` when it has one, else plain autograd
+    (``core.transforms.autograd_vjp``, which recomputes the region's forward)."""
     if reg.bwd is not None:
         args = optree.tree_unflatten(reg.in_treedef, list(xs))
         out_tree = optree.tree_unflatten(reg.out_treedef, list(outs))
@@ -159,12 +160,9 @@ def vjp_flat(reg: Region, xs: list, outs: list, gs: list) -> list:
         full = list(xs)
         for i, v in zip(diff, d):
             full[i] = v
-        return [o for o in reg.call_flat(full)]
+        return reg.call_flat(full)
 
-    outs, pullback = torch.func.vjp(f, *[xs[i] for i in diff])
-    cot = [g if o.is_floating_point() else None for o, g in zip(outs, gs)]
-    cot = [torch.zeros_like(o) if c is None and o.is_floating_point() else c for o, c in zip(outs, cot)]
-    grads = pullback([c if c is not None else torch.zeros_like(o) for o, c in zip(outs, cot)])
+    grads = autograd_vjp(f, [xs[i] for i in diff], list(gs))
     result = [torch.zeros_like(x) for x in xs]
     for i, g in zip(diff, grads):
         result[i] = g
@@ -235,9 +233,10 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | No
         in_specs: a ``P`` pytree, prefix of ``fn``'s arguments tuple.
         out_specs: a ``P`` pytree, prefix of ``fn``'s outputs.
         bwd: optional ``bwd(inputs, outputs, output_cotangents) -> input cotangents`` on local
-            shards (None for no cotangent). Without it the backward is ``torch.func.vjp`` of
-            ``fn``, which runs ``fn`` again; give ``bwd`` when ``fn`` communicates (an MoE
-            exchange) or saves what its backward needs in its outputs.
+            shards (None for no cotangent). Without it the backward is autograd's over ``fn``
+            (``core.transforms.autograd_vjp``), which runs ``fn`` again; give ``bwd`` when
+            ``fn`` communicates (an MoE exchange) or saves what its backward needs in its
+            outputs.
         records: when ``fn`` (or ``bwd``) runs collectives itself, what it moved (a
             :class:`Records`): ``LoweredStep.comm_report`` lists its rows, and each call of the
             program starts them afresh.

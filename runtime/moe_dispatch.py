@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from shardfn.core.grouped_mm import grouped_mm
 from shardfn.core.registry import Registry
+from shardfn.core.transforms import autograd_vjp
 from shardfn.runtime.interleave import handoff
 
 
@@ -127,22 +128,6 @@ def _swiglu(x, w1, w2, w3):
 def _expert_ffn(xs, offs, w1, w2, w3):
     h = F.silu(grouped_mm(xs, w1, offs)) * grouped_mm(xs, w3, offs)  # [R, F]
     return grouped_mm(h, w2, offs)                                     # [R, D]
-
-
-def _vjp(f, primals: tuple, cotangent: torch.Tensor) -> tuple:
-    """``f``'s cotangents at ``primals`` for the output cotangent ``cotangent``, by autograd's own
-    backward kernels inside the custom op's body: those the step's traced backward runs
-    (``core.transforms.value_and_grad``), so the shared experts' gradient is the same bits inside
-    the exchange as after it.
-
-        dx, dw1, dw2, dw3 = _vjp(_swiglu, (x, w1, w2, w3), dy)
-    """
-    from shardfn.core._torch_private import autograd_inside_custom_op
-
-    leaves = [p.detach().requires_grad_() for p in primals]
-    with autograd_inside_custom_op(), torch.enable_grad():
-        out = f(*leaves)
-    return torch.autograd.grad(out, leaves, cotangent, allow_unused=True, materialize_grads=True)
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *, async_op=False):
@@ -266,12 +251,12 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
         pending.append(_a2a(d_send, c.out_splits, c.in_splits, s.group, async_op=True))
     shared_grads = None
     if shared is not None:  # overlaps the exchange
-        shared_grads = _vjp(_swiglu, (s.x, *shared), grad_y)
+        shared_grads = autograd_vjp(_swiglu, (s.x, *shared), grad_y)
     dw, combines = None, []
     for c, (d_recv, work) in zip(s.chunks, pending):
         _wait(work)
         d_out = d_recv[c.perm]
-        dxs, *dw_c = _vjp(lambda xs, a, b, w: _expert_ffn(xs, c.offs, a, b, w), (c.xs, w1, w2, w3), d_out)
+        dxs, *dw_c = autograd_vjp(lambda xs, a, b, w: _expert_ffn(xs, c.offs, a, b, w), (c.xs, w1, w2, w3), d_out)
         dw = dw_c if dw is None else [a + b for a, b in zip(dw, dw_c)]
         d_back = torch.empty_like(dxs)
         d_back[c.perm] = dxs

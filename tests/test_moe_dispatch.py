@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
+from shardfn.core.transforms import autograd_vjp
 from shardfn.runtime import moe_dispatch
 from shardfn.runtime.launch import spawn
 
@@ -223,13 +224,13 @@ def test_chunked_exchange_matches_the_reference_and_moves_the_same_bytes():
 @torch.library.custom_op("shardfn_test::swiglu_vjp", mutates_args=())
 def _swiglu_vjp_in_custom_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                              dy: torch.Tensor) -> list[torch.Tensor]:
-    return [g.clone() for g in moe_dispatch._vjp(moe_dispatch._swiglu, (x, w1, w2, w3), dy)]
+    return [g.clone() for g in autograd_vjp(moe_dispatch._swiglu, (x, w1, w2, w3), dy)]
 
 
 def test_exchange_backward_takes_autograds_own_kernels():
-    # the exchange's custom op computes the shared experts' backward: bit for bit what plain
-    # autograd gives (the step's traced backward, when the shared experts follow the exchange);
-    # torch.func.vjp's silu backward rounds differently
+    # the exchange's custom op computes the shared experts' backward (core.transforms.autograd_vjp):
+    # bit for bit what plain autograd gives (the step's traced backward, when the shared experts
+    # follow the exchange); torch.func.vjp's silu backward rounds differently
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
     w1, w3, w2 = torch.randn(D, H, generator=g), torch.randn(D, H, generator=g), torch.randn(H, D, generator=g)
@@ -237,3 +238,7 @@ def test_exchange_backward_takes_autograds_own_kernels():
     want = torch.autograd.grad(moe_dispatch._swiglu(*leaves), leaves, dy)
     got = _swiglu_vjp_in_custom_op(x, w1, w2, w3, dy)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # outputs: a sequence, one cotangent each; an integer output and an unused primal are skipped
+    dx, dw = autograd_vjp(lambda x, w: [x.argmax(-1), x @ w1, x.sum()], (x, w2),
+                          [None, torch.ones(T, H), torch.tensor(2.0)])
+    assert torch.equal(dx, torch.ones(T, H) @ w1.t() + 2) and torch.equal(dw, torch.zeros_like(w2))
