@@ -128,10 +128,11 @@ def pipeline_split(x: torch.Tensor) -> torch.Tensor:
 
 def register_autograd(op, backward, *, setup_context=None):
     """``op.register_autograd(backward, setup_context=...)``, and a function calling ``op`` that
-    ``torch.func`` transforms (``grad``, ``vmap``; so ``value_and_grad`` under ``sf.jit``) can
-    differentiate. A ``torch.library.custom_op``'s own autograd has no ``setup_context`` that
-    functorch accepts ("must override the setup_context staticmethod"): call the returned function
-    in code that is traced or transformed; the op itself stays usable with plain autograd.
+    ``torch.func`` transforms (``grad``, ``vmap``; ``value_and_grad`` wherever it takes
+    ``torch.func``'s gradient) can differentiate. A ``torch.library.custom_op``'s own autograd
+    has no ``setup_context`` that functorch accepts ("must override the setup_context
+    staticmethod"): call the returned function in code that is traced or transformed; the op
+    itself stays usable with plain autograd.
 
     ``backward(ctx, *grads)`` returns one gradient per input of ``op`` (None for non-tensors);
     ``setup_context(ctx, inputs, output)`` saves what it needs, as for ``register_autograd``.

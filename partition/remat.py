@@ -73,7 +73,8 @@ def remat(gm: fx.GraphModule, policy: Policy = "full", *, forward_of: list[fx.No
 
     Args:
         gm: a joint graph: the loss's gradient seeded by ``ones_like(loss)`` (what
-            ``torch.func.grad`` traces to), followed by its backward (and anything after).
+            ``torch.autograd.grad`` and ``torch.func.grad`` trace to), followed by its backward (and
+            anything after).
         policy: ``"none"``, ``"full"``, ``"selective"`` or a predicate ``node -> bool``.
         forward_of: the forward's results (a pipeline stage's output, whose backward is seeded
             by an input ``dy``); default: the losses that ``ones_like`` seeds.

@@ -5,8 +5,8 @@ metrics)``: forward, backward, gradient clipping and AdamW in one traceable func
 host syncs. It is what runs on one device and what the partitioner traces and shards over a mesh;
 a pipeline rank runs the same optimizer (:func:`make_optimizer`) on its stages' gradients. Run
 eagerly it takes the eager forms of ``core`` (plain autograd, foreach optimizer kernels, GQA
-without repeated heads: ``core.transforms.eager``); traced, it is the ``torch.func`` program.
-The two agree to float rounding.
+without repeated heads: ``core.transforms.eager``); traced, it records autograd's backward
+kernels too, and the optimizer's ops leaf by leaf. The two agree to float rounding.
 
     opt = make_optimizer(cfg.train, llama)
     step = make_train_step(llama, cfg.model, opt)
