@@ -1,12 +1,13 @@
 """Regional compilation: a model's repeated layer compiled once, and every layer runs it.
 
-A model marks the function one layer runs with :func:`repeated`. Outside
-:func:`compiled_layers` the mark does nothing. Inside it, run eagerly (``core.transforms.eager``),
-each marked function is ``torch.compile``'d on its first call and that compiled function serves
-every later call. The layers of a stacked model have the same shapes, so one compilation (forward
-and backward) serves them all. The first step then costs about one layer's compilation whatever
-the depth, where compiling the whole step unrolls every layer into one graph. The rest of the
-step (embedding, loss, the optimizer's foreach kernels) runs eagerly.
+A model marks the function one layer runs with :func:`repeated`; the training step marks its
+optimizer update with :func:`region`. Outside :func:`compiled_layers` the marks do nothing.
+Inside it, run eagerly (``core.transforms.eager``), each marked function is ``torch.compile``'d
+on its first call and that compiled function serves every later call. The layers of a stacked
+model have the same shapes, so one compilation (forward and backward) serves them all. The first
+step then costs about one layer's compilation and the update's, whatever the depth, where
+compiling the whole step unrolls every layer into one graph. The rest of the step (embedding,
+loss) runs eagerly.
 
 Traced (``make_fx``, the partitioner, ``torch.compile`` of a whole step) or inside a ``torch.func``
 transform, a marked function is the plain function, so traced graphs are unchanged.
@@ -39,10 +40,23 @@ def repeated(fn: Callable) -> Callable:
         @repeated
         def block(p, h, cos, sin, cfg): ...
     """
+    layer = region(fn)
+    layer.repeated = True
+    return layer
+
+
+def region(fn: Callable) -> Callable:
+    """Mark ``fn`` to run compiled inside :func:`compiled_layers` (compiled on its first call
+    there, once per set of options); elsewhere it is ``fn``.
+
+    Example:
+        @region
+        def update(grads, opt_state, params): ...
+    """
     compiled: dict = {}  # options -> the compiled fn
 
     @functools.wraps(fn)
-    def layer(*args, **kwargs):
+    def run(*args, **kwargs):
         if torch.compiler.is_compiling():  # inside a compiled step: the plain function, no lookup to trace
             return fn(*args, **kwargs)
         options = _OPTIONS.get()
@@ -53,8 +67,7 @@ def repeated(fn: Callable) -> Callable:
             hit = compiled[options] = torch.compile(fn, **dict(options))
         return hit(*args, **kwargs)
 
-    layer.repeated = True
-    return layer
+    return run
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import torch
 from shardfn.core import optim
 from shardfn.core.precision import Policy, get_policy, with_policy
 from shardfn.core.pytree import PyTree, map_with_path, tree_map
+from shardfn.core.regional import region
 from shardfn.core.transforms import value_and_grad
 
 StepFn = Callable[[PyTree, Any, dict], tuple[PyTree, Any, dict]]
@@ -114,11 +115,16 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
     loss_fn = lambda params, batch: model.loss_and_aux(params, batch, model_cfg, experts=experts)  # noqa: E731
     grad_fn = value_and_grad(with_policy(loss_fn, precision) if precision is not None else loss_fn, has_aux=True)
 
+    @region
+    def update(grads, opt_state, params):  # one compiled region under train.compile=true
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optim.apply_updates(params, updates), opt_state
+
     def train_step(params, opt_state, batch):
         before = (params, opt_state)
         (loss, aux), grads = grad_fn(params, batch)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = model.aux_update(optim.apply_updates(params, updates), aux, model_cfg)
+        params, opt_state = update(grads, opt_state, params)
+        params = model.aux_update(params, aux, model_cfg)
         metrics = step_metrics(loss, grads, opt_state)
         for key, x in aux.items():
             if x.ndim == 0 and x.is_floating_point() and key not in metrics:

@@ -206,7 +206,8 @@ def test_eager_step_matches_the_traced_step(config):
 
 def test_compiled_layers_compile_the_repeated_layer_once():
     # train.compile=true: the layer function is compiled on its first call and every layer runs
-    # that one compilation; the step computes what the eager step does. Traced, nothing compiles.
+    # that one compilation, and the optimizer's update is compiled once too; the step computes
+    # what the eager step does. Traced, nothing compiles.
     import torch._dynamo
 
     from shardfn.core.regional import compiled_layers, with_compiled_layers
@@ -229,13 +230,17 @@ def test_compiled_layers_compile_the_repeated_layer_once():
             p, s, m = step(p, s, b)
             losses.append(m["loss"])
         out[name] = (torch.stack(losses), p)
-    assert len(graphs) == 1  # one layer's graph for 3 layers and 2 steps
+    # one layer's graph for 3 layers and 2 steps, and the optimizer's update: a sqrt(v) per leaf,
+    # the clipping norm's and the bias correction's
+    assert len(graphs) == 2, [len(g.graph.nodes) for g in graphs]
+    sqrts = [sum(n.target is torch.sqrt for n in g.graph.nodes) for g in graphs]
+    assert sqrts == [0, len(tree_leaves(params)) + 2], sqrts
     torch.testing.assert_close(out["compiled"][0], out["eager"][0], rtol=1e-6, atol=1e-6)
     for a, b in zip(tree_leaves(out["compiled"][1]), tree_leaves(out["eager"][1])):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with compiled_layers(backend=backend):  # traced: the plain function, no compilation
         make_fx(lambda p, b: model.loss(p, b, cfg.model))(params, batches[0])
-    assert len(graphs) == 1
+    assert len(graphs) == 2
     torch._dynamo.reset()
 
 
