@@ -216,7 +216,8 @@ def _without_all_reduces(ours, theirs) -> None:
     for lowered in ours.jitted.programs():  # the programs this run has lowered
         gm = lowered.graph_module
         for node in gm.graph.nodes:
-            if node.target is torch.ops._c10d_functional.all_reduce.default:
+            if node.target in (torch.ops._c10d_functional.all_reduce.default,
+                               torch.ops._c10d_functional.all_reduce_.default):
                 node.target = identity
         gm.recompile()
     cells = dict(zip(theirs.__code__.co_freevars, (c.cell_contents for c in theirs.__closure__)))

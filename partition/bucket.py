@@ -6,8 +6,11 @@ reductions of a backward, typically) are grouped in program order into buckets o
 ``bucket_bytes``; each bucket becomes one collective on one flat buffer, issued right after the
 last of its inputs is made (as DDP issues a bucket once its last gradient is ready):
 
-- all-reduce: the tensors are flattened (in their memory order), concatenated, reduced once and
-  split back into views with the strides the program had;
+- all-reduce: the tensors are flattened (in their memory order), concatenated, reduced once in
+  place on that buffer (it is the bucket's own: the functional all-reduce would copy it first)
+  and split back into views with the strides the program had; a stacked parameter's gradient,
+  built by a ``stack`` of the layers' gradients that nothing else reads, enters the buffer as
+  those layers' gradients (one copy, where the stack and the buffer made two);
 - reduce-scatter (dim 0 over ``n`` ranks): each tensor is cut into its ``n`` row blocks, the
   blocks are interleaved so that rank ``r``'s block of every tensor lies in the ``r``-th
   contiguous chunk of the buffer, and rank ``r``'s chunk is split back into its shards.
@@ -30,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from shardfn.partition.fx import is_view
 from shardfn.partition.lower import collective_nodes
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
@@ -185,6 +189,23 @@ def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
         graph.erase_node(member.collective)
 
 
+def member_input(node: torch.fx.Node) -> torch.fx.Node:
+    """The value that ``node``, an all-reduce bucket's output or a view of one, is the reduction
+    of: the input of the collective the bucket replaced (the loss before its all-reduce, whose
+    ancestors are the forward, where the bucket's are the whole backward); else ``node``.
+
+        loss = member_input(outputs[i])   # what the step's loss output reduces
+    """
+    at = node
+    while isinstance(at, torch.fx.Node):
+        if "sf_bucket_input" in at.meta:
+            return at.meta["sf_bucket_input"]
+        if not (is_view(at) and at.args):
+            break
+        at = at.args[0]
+    return node
+
+
 def _order(graph: torch.fx.Graph) -> dict:
     return {n: i for i, n in enumerate(graph.nodes)}
 
@@ -204,22 +225,49 @@ def _all_reduce_bucket(graph, bucket):
         src = inp
         if order != list(range(out.ndim)):
             src = _call(graph, _aten.permute.default, (inp, order), _empty(permuted, out))
-        flats.append(_call(graph, _aten.reshape.default, (src, [-1]), _empty([out.numel()], out)))
+        flats.extend(_flat_pieces(graph, src, m.collective, out))
         layouts.append((order, permuted, out))
     total = sum(out.numel() for _, _, out in layouts)
     proto = layouts[0][2]
     buf = _call(graph, _aten.cat.default, (flats,), _empty([total], proto))
-    coll = _call(graph, _c10d.all_reduce.default, (buf, *bucket.members[0].collective.args[1:]), _empty([total], proto))
+    for m in bucket.members:  # a stack whose pieces went into the buffer directly
+        stack = m.collective.args[0]
+        if _is_stack_of(stack, m.collective):
+            m.collective.args = (None, *m.collective.args[1:])
+            graph.erase_node(stack)
+    # in place: the buffer is the cat's own, read by nothing else (the functional op would copy it)
+    coll = _call(graph, _c10d.all_reduce_.default, (buf, *bucket.members[0].collective.args[1:]),
+                 _empty([total], proto))
     done = _call(graph, _c10d.wait_tensor.default, (coll,), _empty([total], proto))
     parts = _split(graph, done, [out.numel() for _, _, out in layouts], proto)
     outs = []
-    for part, (order, permuted, out) in zip(parts, layouts):
+    for m, part, (order, permuted, out) in zip(bucket.members, parts, layouts):
         view = _call(graph, _aten.view.default, (part, permuted), _empty(permuted, out))
         if order != list(range(out.ndim)):
             inverse = sorted(range(out.ndim), key=order.__getitem__)
             view = _call(graph, _aten.permute.default, (view, inverse), out)
+        if m.collective.args[0] is not None:  # (None: a stack, its pieces in the buffer)
+            view.meta["sf_bucket_input"] = m.collective.args[0]
         outs.append(view)
     return outs, coll
+
+
+def _is_stack_of(node, collective) -> bool:
+    """``node`` is a ``stack`` along dim 0 that only ``collective`` reads (a stacked
+    parameter's gradient, built from the layers' own): its pieces can go into the bucket's
+    buffer as they are, one copy where the stack and the buffer made two."""
+    return (isinstance(node, torch.fx.Node) and node.target is _aten.stack.default
+            and (len(node.args) < 2 or node.args[1] == 0) and list(node.users) == [collective])
+
+
+def _flat_pieces(graph, src, collective, out):
+    """``src`` flattened, as the 1-d pieces whose concatenation it is: a stack's own pieces
+    (:func:`_is_stack_of`), else ``src`` reshaped to 1-d."""
+    if src is collective.args[0] and _is_stack_of(src, collective):
+        pieces = src.args[0]
+        size = out.numel() // len(pieces)
+        return [_call(graph, _aten.reshape.default, (p, [-1]), _empty([size], out)) for p in pieces]
+    return [_call(graph, _aten.reshape.default, (src, [-1]), _empty([out.numel()], out))]
 
 
 def _reduce_scatter_bucket(graph, bucket):

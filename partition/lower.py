@@ -24,6 +24,7 @@ from shardfn.partition.trace import Traced
 
 COLLECTIVES = {
     "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",   # in place, on a buffer of its own (partition.bucket)
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_to_all_single": "all_to_all",

@@ -21,6 +21,7 @@ import optree
 import torch
 
 from shardfn.core._torch_private.propagation import PropagationCache, shared_propagation
+from shardfn.partition.bucket import member_input
 from shardfn.partition.fx import ancestors, descendants, is_view, nbytes
 from shardfn.partition.layouts import mesh_axes
 from shardfn.partition.report import collectives, peak_temporary_bytes
@@ -234,7 +235,7 @@ def measure(lowered) -> Measure:
     """
     gm, traced = lowered.graph_module, lowered.traced
     outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    loss = outputs[_output_index(traced, (2, "loss"))]
+    loss = member_input(outputs[_output_index(traced, (2, "loss"))])  # before a bucket took it
     sinks, step_nodes = _gradient_reductions(traced.graph_module)
     params = [(p.partition(".")[2], m) for p, m in zip(traced.in_paths, traced.in_meta) if p.startswith("0.")]
     leaf_of = _match_leaves(sinks, params)

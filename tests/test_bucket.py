@@ -7,6 +7,7 @@ from test_partition import LAYOUTS, make_step, mlp_data
 import shardfn as sf
 from shardfn import P
 from shardfn.config import load_config
+from shardfn.core.transforms import value_and_grad
 from shardfn.partition.bucket import DEFAULT_BUCKET_BYTES, bucket_pass
 from shardfn.runtime.launch import spawn
 
@@ -61,6 +62,37 @@ def test_bucket_pass_is_the_same_as_the_option(clean_process_group):
     step = sf.jit(make_step(pspecs), mesh, in_specs=(pspecs, P("dp")), out_specs=(pspecs, P()), backend=None,
                   passes={"after_lower": [bucket_pass(DEFAULT_BUCKET_BYTES)]})
     assert step.lower(*mlp_data()).comm_report() == EXPECTED[("dp2", DEFAULT_BUCKET_BYTES)]
+
+
+def _stacked_step(params, x):
+    def loss_fn(p):
+        h = x
+        for i in range(p["w"].shape[0]):  # a stacked weight, one layer per row
+            h = torch.tanh(h @ p["w"][i])
+        return (h @ p["out"]).pow(2).sum() / 32  # a constant: a sum over the ranks' parts
+
+    loss, grads = value_and_grad(loss_fn)(params)
+    return {k: params[k] - 0.1 * torch.tanh(grads[k]) for k in params}, loss.detach()
+
+
+def test_a_bucket_reduces_its_own_buffer_from_the_layers_gradients_and_takes_the_loss(clean_process_group):
+    """One all-reduce a step: the buffer is the bucket's own (read by nothing else), so it is
+    reduced in place, not copied first; a stacked weight's gradient goes into it as the layers'
+    own gradients, no stack between; and the loss the step returns joins it, since the loss
+    exists long before the last gradient."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 16, 16, generator=g), "out": torch.randn(16, 4, generator=g)}
+    step = sf.jit(_stacked_step, sf.Mesh({"dp": 2}, fake=True), in_specs=(P(), P("dp")), out_specs=(P(), P()),
+                  backend=None, bucket_bytes=DEFAULT_BUCKET_BYTES)
+    lowered = step.lower(params, torch.randn(8, 16, generator=g))
+    assert lowered.comm_report() == [{"op": "all_reduce", "axis": "dp", "bytes": 4 * (3 * 256 + 64 + 1),
+                                      "count": 1, "tensors": 3}]
+    nodes = list(lowered.graph_module.graph.nodes)
+    (reduce,) = [n for n in nodes if n.target is torch.ops._c10d_functional.all_reduce_.default]
+    buffer = reduce.args[0]
+    assert buffer.target is torch.ops.aten.cat.default and list(buffer.users) == [reduce]
+    assert not [n for n in nodes if n.target is torch.ops.aten.stack.default]
+    assert len(buffer.args[0]) == 3 + 1 + 1  # the 3 layers' gradients, the head's, the loss
 
 
 def test_bad_bucket_bytes_say_what_fits(fake_dp):

@@ -1,6 +1,7 @@
 """llama_tiny under every layout of the partitioner: parity with one device on real gloo ranks,
 and collective bytes against the textbook layouts (on a fake mesh, in this process)."""
 
+import optree
 import pytest
 import torch
 from parity import assert_matches, layout_worker, reference, setup
@@ -104,12 +105,17 @@ def test_fsdp2_gathers_every_param_forward_and_backward_and_reduce_scatters_grad
 
 def test_dp2_all_reduces_each_gradient_once(planner):
     cfg, model, params, specs, lowered = planner(["mesh.dp=2"])
-    grads = [r for r in _rows(lowered, "all_reduce") if r["bytes"] > 64]
-    assert sum(r["bytes"] for r in grads) == size_bytes(params)
     assert not _rows(lowered, "all_gather") and not _rows(lowered, "reduce_scatter")
-    # one scalar: the loss for the metrics (its mean divides by a constant, so no count of targets
-    # is all-reduced between the forward and the backward)
-    assert [r["bytes"] for r in _rows(lowered, "all_reduce") if r["bytes"] <= 64] == [4]
+    # one all-reduce a step: the gradients' bucket, which the loss for the metrics joins (4 bytes;
+    # its mean divides by a constant, so no count of targets is all-reduced between the forward
+    # and the backward, and the loss exists long before the last gradient)
+    (bucket,) = _rows(lowered, "all_reduce")
+    assert bucket["bytes"] == size_bytes(params) + 4
+    assert len(bucket["bucket"]) == len(optree.tree_leaves(params)) + 1
+    # the stacked layers' gradients go into the bucket's buffer from the layers' own, unstacked:
+    # the one stack left is the gradient norm's, of one sum per leaf
+    stacks = [n for n in lowered.graph_module.graph.nodes if n.target is torch.ops.aten.stack.default]
+    assert [len(n.args[0]) for n in stacks] == [len(optree.tree_leaves(params))]
     # the backward is autograd's own kernels (silu's is one op); the one detach left is the loss
     # the step returns for its metrics
     ops = [str(n.target) for n in lowered.graph_module.graph.nodes if n.op == "call_function"]
