@@ -144,8 +144,6 @@ def _step_program(cfg_overrides, old_moe_order: bool):
     inputs; ``records`` the MoE exchanges it owns (reset before each call)."""
     from shardfn import models
     from shardfn.config import load_config
-    from shardfn.partition.api import _to_local
-    from shardfn.partition.trace import flatten_args
     from shardfn.runtime import data
     from shardfn.runtime.partitioned import mesh_from_config, mesh_step
     from shardfn.runtime.train_step import make_optimizer
@@ -164,10 +162,7 @@ def _step_program(cfg_overrides, old_moe_order: bool):
         lowered = step.jitted.lower(placed, state, batch)
     finally:
         undo()
-    leaves, _, _ = flatten_args((placed, state, batch))
-    local = [_to_local(x, mesh, pl, path) for x, pl, path in
-             zip(leaves, lowered.lowered.in_placements, lowered.traced.in_paths)]
-    return lowered.graph_module, local, lowered.records
+    return lowered.graph_module, lowered.local_inputs(placed, state, batch), lowered.records
 
 
 def _timed(gm, local, records, exchange=None, mode="replay") -> float:

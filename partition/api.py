@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -19,7 +20,7 @@ import optree
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardfn.core._torch_private import dtensor_wrapper
+from shardfn.core._torch_private import dtensor_wrapper, local_shard_slices
 from shardfn.partition import report
 from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
 from shardfn.partition.local_map import mesh_scope
@@ -47,6 +48,7 @@ class LoweredStep:
         self.name = "the function"
         self._compiled = None
         self._wrappers = None  # per output, built on the first call (_wrap_outputs)
+        self._cuts: dict = {}  # (input leaf, global shape) -> this rank's slices of it (_to_local)
         # regions that communicate by themselves (an MoE exchange) record what they moved
         self.records = [r.records for r in traced.regions if r.records is not None]
 
@@ -96,13 +98,16 @@ class LoweredStep:
         return self._compiled[1]
 
     def __call__(self, *args, backend: str | None = "inductor"):
+        return self.call_flat(optree.tree_leaves(args, none_is_leaf=False), args, backend)
+
+    def call_flat(self, leaves: list, args: tuple, backend: str | None = "inductor"):
+        """``self(*args)`` from ``args``' leaves, flattened by the caller (once per call)."""
         for records in self.records:
             records.reset()  # this call's: the records neither pile up nor renumber layers
-        leaves, _, _ = flatten_args(args)
-        local = [
-            _to_local(x, self.mesh, pl, path)
-            for x, pl, path in zip(leaves, self.lowered.in_placements, self.traced.in_paths)
-        ]
+        if not all(isinstance(x, torch.Tensor) for x in leaves):
+            flatten_args(args)  # raises, naming the leaf
+        # a DTensor's local tensor without autograd's wrapper, where nothing needs a gradient
+        local = self._local(leaves)
         first = backend is not None and (self._compiled is None or self._compiled[0] != backend)
         start = time.perf_counter()
         outs = self.compile(backend)(*local)
@@ -110,6 +115,36 @@ class LoweredStep:
             self.announce(f"sf.jit: compiled {self.name} for {self.mesh} with {backend} and ran it once in "
                           f"{time.perf_counter() - start:.1f} s")
         return optree.tree_unflatten(self.traced.out_treedef, self._wrap_outputs(outs))
+
+    def local_inputs(self, *args) -> list[torch.Tensor]:
+        """``args``' leaves as the program takes them: this rank's local tensors.
+
+            outs = lowered.graph_module(*lowered.local_inputs(params, opt_state, batch))
+        """
+        return self._local(optree.tree_leaves(args, none_is_leaf=False))
+
+    def _local(self, leaves: list) -> list[torch.Tensor]:
+        # a DTensor's local tensor without autograd's wrapper, where nothing needs a gradient
+        grads = any(x.requires_grad for x in leaves)
+        with contextlib.nullcontext() if grads else torch.no_grad():
+            return [self._to_local(x, i) for i, x in enumerate(leaves)]
+
+    def _to_local(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Input leaf ``i`` as this rank's local tensor under the lowered placements: a DTensor
+        redistributed there (when it is not already) and unwrapped; a global tensor every rank
+        holds cut to this rank's shard, no communication (the cut's slices kept per shape)."""
+        placements = self.lowered.in_placements[i]
+        if isinstance(x, DTensor):
+            if tuple(x.placements) != tuple(placements):
+                x = x.redistribute(self.mesh.device_mesh, placements)
+            return x.to_local()
+        key = (i, tuple(x.shape))
+        cut = self._cuts.get(key, False)
+        if cut is False:
+            cut = self._cuts[key] = local_shard_slices(x.shape, self.mesh.device_mesh, placements)
+        if cut is None:
+            return distribute_tensor(x.detach(), self.mesh.device_mesh, placements, src_data_rank=None).to_local()
+        return x.detach()[cut].contiguous()
 
     def _wrap_outputs(self, outs) -> list[DTensor]:
         """The program's local outputs as DTensors of the lowered placements and the traced
@@ -157,15 +192,6 @@ def run_passes(passes: dict[str, list[Callable]], point: str, traced: Traced, gm
     if gm is not None:
         return target
     return dataclasses.replace(traced, graph_module=target)
-
-
-def _to_local(x: torch.Tensor, mesh: Mesh, placements, path: str) -> torch.Tensor:
-    if isinstance(x, DTensor):
-        if tuple(x.placements) != tuple(placements):
-            x = x.redistribute(mesh.device_mesh, placements)
-        return x.to_local()
-    # A global tensor every rank holds: take this rank's shard, no communication.
-    return distribute_tensor(x.detach(), mesh.device_mesh, placements, src_data_rank=None).to_local()
 
 
 class Jitted:
@@ -269,7 +295,11 @@ class Jitted:
         return LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None)
 
     def __call__(self, *args):
-        return self.lower(*args)(*args, backend=self.backend)
+        leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)
+        step = self._cache.get(_signature_of(treedef, leaves))
+        if step is None:
+            step = self.lower(*args)
+        return step.call_flat(leaves, args, backend=self.backend)
 
 
 def jit(
@@ -380,8 +410,11 @@ def _has_auto(specs: Any) -> bool:
 
 
 def _signature(args) -> tuple:
-    leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)
-    return (treedef, tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
+    return _signature_of(*reversed(optree.tree_flatten(args, none_is_leaf=False)))
+
+
+def _signature_of(treedef, leaves) -> tuple:
+    return (treedef, tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
 
 
 def _arg_index_of_leaves(args: tuple) -> list[int]:

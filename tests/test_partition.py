@@ -154,6 +154,23 @@ def fake_mesh(clean_process_group):
     return sf.Mesh({"dp": 2, "tp": 2}, fake=True)
 
 
+def test_a_global_input_is_cut_to_the_shard_distribute_tensor_gives(fake_mesh):
+    """An input every rank holds is cut to this rank's shard by slicing, as
+    ``distribute_tensor(x, mesh, placements, src_data_rank=None)`` cuts it (uneven and empty
+    shards too); a placement that is not a plain Shard or Replicate keeps distribute_tensor."""
+    from torch.distributed.tensor import Partial, distribute_tensor
+
+    from shardfn.core._torch_private import local_shard_slices
+
+    x = torch.arange(5 * 6 * 3.0).reshape(5, 6, 3)
+    dmesh = fake_mesh.device_mesh
+    for placements in [(Shard(0), Replicate()), (Replicate(), Shard(1)), (Shard(0), Shard(0)),
+                       (Shard(2), Shard(0)), (Replicate(), Replicate())]:
+        want = distribute_tensor(x, dmesh, placements, src_data_rank=None).to_local()
+        torch.testing.assert_close(x[local_shard_slices(x.shape, dmesh, placements)], want, rtol=0, atol=0)
+    assert local_shard_slices(x.shape, dmesh, (Partial(), Replicate())) is None
+
+
 def test_indivisible_dim_names_input(fake_mesh):
     f = sf.jit(lambda w, x: x @ w, fake_mesh, in_specs=({"w": P(None, "tp")}["w"], P("dp")))
     with pytest.raises(ValueError, match=r"input 0: dim 1 of size 3 is not divisible by mesh axes \('tp',\)"):

@@ -75,6 +75,22 @@ def dtensor_wrapper(device_mesh, placements, shape, stride, dtype) -> Callable[[
     return wrap
 
 
+def local_shard_slices(shape, device_mesh, placements) -> tuple[slice, ...] | None:
+    """The slices that cut this rank's shard out of a global tensor of ``shape`` under
+    ``placements`` (``distribute_tensor``'s chunking: uneven shards, empty ones), or None where a
+    placement is not a plain ``Shard`` or ``Replicate`` (there ``distribute_tensor`` itself).
+
+        x[local_shard_slices(x.shape, mesh, (Shard(0),))]   # rank r's rows, a view
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in placements):
+        return None
+    local, offset = compute_local_shape_and_global_offset(shape, device_mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
+
+
 def planned_sharding(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[list | None, list]:
     """What DTensor would do for this call: the DTensorSpec it wants for each DTensor leaf of
     ``(args, kwargs)`` (flattened in pytree order; None when it runs on the inputs as they are),
