@@ -198,7 +198,8 @@ def drop_detaches(gm: fx.GraphModule) -> fx.GraphModule:
     for node in found:
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
-    kept = [n for n in detaches if n not in found and isinstance(n.args[0], fx.Node)]
+    kept = [n for n in detaches if n not in found and isinstance(n.args[0], fx.Node)
+            and n.args[0].op == "call_function"]  # (placeholders stay together at the top)
     for node in kept:
         node.args[0].append(node)
     if found or kept:
