@@ -106,7 +106,6 @@ class LoweredStep:
             records.reset()  # this call's: the records neither pile up nor renumber layers
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             flatten_args(args)  # raises, naming the leaf
-        # a DTensor's local tensor without autograd's wrapper, where nothing needs a gradient
         local = self._local(leaves)
         first = backend is not None and (self._compiled is None or self._compiled[0] != backend)
         start = time.perf_counter()
@@ -410,7 +409,8 @@ def _has_auto(specs: Any) -> bool:
 
 
 def _signature(args) -> tuple:
-    return _signature_of(*reversed(optree.tree_flatten(args, none_is_leaf=False)))
+    leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)
+    return _signature_of(treedef, leaves)
 
 
 def _signature_of(treedef, leaves) -> tuple:

@@ -176,9 +176,9 @@ def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
     latest = max((m.collective.args[0] for m in bucket.members), key=_order(graph).__getitem__)
     with graph.inserting_before(latest.next):
         if kind == "all_reduce":
-            outs, coll = _all_reduce_bucket(graph, bucket)
+            outs, coll, unstacked = _all_reduce_bucket(graph, bucket)
         else:
-            outs, coll = _reduce_scatter_bucket(graph, bucket)
+            (outs, coll), unstacked = _reduce_scatter_bucket(graph, bucket), []
     sources = [m.collective.meta.get("sf_source", "?") for m in bucket.members]
     coll.meta["sf_source"] = f"bucket{index}"
     coll.meta["sf_bucket"] = sources
@@ -187,6 +187,8 @@ def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
         member.wait.replace_all_uses_with(out)
         graph.erase_node(member.wait)
         graph.erase_node(member.collective)
+    for stack in unstacked:  # its pieces went into the buffer; the collective was its one reader
+        graph.erase_node(stack)
 
 
 def member_input(node: torch.fx.Node) -> torch.fx.Node:
@@ -217,7 +219,10 @@ def _call(graph, target, args, val):
 
 
 def _all_reduce_bucket(graph, bucket):
-    flats, layouts = [], []
+    """The bucket's flat buffer reduced in place, and each member's result as a view of it;
+    returns ``(outs, collective, unstacked)``: ``unstacked``, the stacks whose pieces went into
+    the buffer directly (dead once the members' collectives are gone)."""
+    flats, layouts, unstacked = [], [], []
     for m in bucket.members:
         inp, out = m.collective.args[0], m.wait.meta["val"]
         order = _memory_order(out)
@@ -225,16 +230,16 @@ def _all_reduce_bucket(graph, bucket):
         src = inp
         if order != list(range(out.ndim)):
             src = _call(graph, _aten.permute.default, (inp, order), _empty(permuted, out))
-        flats.extend(_flat_pieces(graph, src, m.collective, out))
+        pieces = [src]
+        if src is inp and _is_stack_of(inp, m.collective):  # the layers' gradients, not their stack
+            pieces = list(inp.args[0])
+            unstacked.append(inp)
+        size = out.numel() // len(pieces)
+        flats.extend(_call(graph, _aten.reshape.default, (p, [-1]), _empty([size], out)) for p in pieces)
         layouts.append((order, permuted, out))
     total = sum(out.numel() for _, _, out in layouts)
     proto = layouts[0][2]
     buf = _call(graph, _aten.cat.default, (flats,), _empty([total], proto))
-    for m in bucket.members:  # a stack whose pieces went into the buffer directly
-        stack = m.collective.args[0]
-        if _is_stack_of(stack, m.collective):
-            m.collective.args = (None, *m.collective.args[1:])
-            graph.erase_node(stack)
     # in place: the buffer is the cat's own, read by nothing else (the functional op would copy it)
     coll = _call(graph, _c10d.all_reduce_.default, (buf, *bucket.members[0].collective.args[1:]),
                  _empty([total], proto))
@@ -246,10 +251,10 @@ def _all_reduce_bucket(graph, bucket):
         if order != list(range(out.ndim)):
             inverse = sorted(range(out.ndim), key=order.__getitem__)
             view = _call(graph, _aten.permute.default, (view, inverse), out)
-        if m.collective.args[0] is not None:  # (None: a stack, its pieces in the buffer)
+        if m.collective.args[0] not in unstacked:  # (a stack goes, so member_input stops here)
             view.meta["sf_bucket_input"] = m.collective.args[0]
         outs.append(view)
-    return outs, coll
+    return outs, coll, unstacked
 
 
 def _is_stack_of(node, collective) -> bool:
@@ -258,16 +263,6 @@ def _is_stack_of(node, collective) -> bool:
     buffer as they are, one copy where the stack and the buffer made two."""
     return (isinstance(node, torch.fx.Node) and node.target is _aten.stack.default
             and (len(node.args) < 2 or node.args[1] == 0) and list(node.users) == [collective])
-
-
-def _flat_pieces(graph, src, collective, out):
-    """``src`` flattened, as the 1-d pieces whose concatenation it is: a stack's own pieces
-    (:func:`_is_stack_of`), else ``src`` reshaped to 1-d."""
-    if src is collective.args[0] and _is_stack_of(src, collective):
-        pieces = src.args[0]
-        size = out.numel() // len(pieces)
-        return [_call(graph, _aten.reshape.default, (p, [-1]), _empty([size], out)) for p in pieces]
-    return [_call(graph, _aten.reshape.default, (src, [-1]), _empty([out.numel()], out))]
 
 
 def _reduce_scatter_bucket(graph, bucket):
