@@ -118,8 +118,8 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
 
     def run(params, opt_state, batch):
         batch = balanced_batch(batch, split)  # context parallelism: load-balanced tokens and their positions
-        last["lowered"] = jitted.lower(params, opt_state, batch)  # cached after the first call
-        params, opt_state, metrics = jitted(params, opt_state, batch)
+        last["lowered"] = lowered = jitted.lower(params, opt_state, batch)  # cached after the first call
+        params, opt_state, metrics = lowered(params, opt_state, batch, backend=backend)
         return params, opt_state, {k: v.to_local() if isinstance(v, DTensor) else v for k, v in metrics.items()}
 
     def report(kind):
