@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import _torch_private as private
+from shardfn.partition.grouped_heads import read_grouped_heads
 from shardfn.partition.propagate import ShardingError, ShardingInterpreter
 from shardfn.partition.trace import Traced
 
@@ -99,6 +100,7 @@ def lower(
     example = local_inputs(traced, mesh, in_placements)
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    read_grouped_heads(gm)  # local shapes: the flash kernels read key/value groups without repeats
     return Lowered(gm, list(in_placements), kept, example)
 
 
@@ -122,6 +124,7 @@ def lower_redistribute(metas: Sequence[torch.Tensor], mesh, src: Sequence, dst: 
     example = [torch.empty(private.local_shape(m.shape, dmesh, pl), dtype=m.dtype) for m, pl in zip(metas, src)]
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
+    read_grouped_heads(gm)  # local shapes: the flash kernels read key/value groups without repeats
     return Lowered(gm, list(src), list(dst), example)
 
 

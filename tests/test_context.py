@@ -228,7 +228,7 @@ def test_tp2_sequence_parallel_halves_the_activations_per_rank(clean_process_gro
             # or a partial sum of gradients not yet reduced; never whole on a rank
             placements = {n.meta["sf_placements"] for n in stream}
             assert len(stream) > 4 * cfg.model.n_layers and placements == {(Shard(1),), (Partial(),)}
-    assert peak["tp2"] / peak["one"] == pytest.approx(0.604, abs=0.002)
+    assert peak["tp2"] / peak["one"] == pytest.approx(0.602, abs=0.002)
     assert peak["tp2_sp"] / peak["one"] == pytest.approx(0.504, abs=0.002)
 
 

@@ -1,6 +1,8 @@
 """llama_tiny under every layout of the partitioner: parity with one device on real gloo ranks,
 and collective bytes against the textbook layouts (on a fake mesh, in this process)."""
 
+import operator
+
 import optree
 import pytest
 import torch
@@ -121,3 +123,25 @@ def test_dp2_all_reduces_each_gradient_once(planner):
     ops = [str(n.target) for n in lowered.graph_module.graph.nodes if n.op == "call_function"]
     assert "aten.silu_backward.default" in ops and "aten.sigmoid.default" not in ops
     assert ops.count("aten.detach.default") == 1
+
+
+def test_tp2_attention_reads_each_ranks_key_value_group_without_repeating_it(planner):
+    """llama_tiny has 4 query heads and 2 key/value heads; under tp2 a rank holds 2 and 1. Its
+    flash kernels read that one key/value head for both query heads (partition/grouped_heads.py):
+    no repeated copy of k or v, and no group sum of their gradients after the backward."""
+    cfg, model, params, specs, lowered = planner(["mesh.tp=2"])
+    assert (cfg.model.n_heads, cfg.model.n_kv_heads) == (4, 2)
+    kernels = [n for n in lowered.graph_module.graph.nodes
+               if "_scaled_dot_product_flash_attention_for_cpu" in str(n.target)]
+    assert len(kernels) == 2 * cfg.model.n_layers  # forward and backward per layer
+    for n in kernels:
+        at = 1 if n.target is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default else 2
+        q, k, v = (n.args[at + i].meta["val"] for i in (-1, 0, 1))
+        assert (q.shape[1], k.shape[1], v.shape[1]) == (2, 1, 1)
+    aten = torch.ops.aten
+    repeats = [n for n in lowered.graph_module.graph.nodes
+               if n.target is aten.clone.default and n.args[0].target is aten.expand.default]
+    assert not repeats
+    summed = [n for n in lowered.graph_module.graph.nodes if n.target is aten.sum.dim_IntList
+              and any(a.target is operator.getitem and a.args[0] in kernels for a in n.args[0].args[:1])]
+    assert not summed
