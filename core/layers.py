@@ -468,14 +468,15 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention with grouped-query heads.
 
-    Query head ``h`` reads kv head ``h // (H // Hkv)``. Traced (``make_fx``, ``torch.compile``,
-    ``torch.func``), the key/value heads are repeated (``repeat_interleave``) before
-    ``scaled_dot_product_attention``, so the fused kernel sees equal head counts: the same fused
-    ops as plain multi-head attention, for which the partitioner has sharding rules. Eagerly, on
-    plain tensors (``core.transforms.eager``), the kernel reads the groups itself
-    (``enable_gqa=True``), with no repeated copies going forward nor their gradients summed
-    coming back: the same output, and key/value gradients that differ only in the order each
-    group's sum is taken.
+    Query head ``h`` reads kv head ``h // (H // Hkv)``. Eagerly or under ``torch.compile``, on
+    plain tensors, the kernel reads the groups itself (``enable_gqa=True``), with no repeated
+    copies going forward nor their gradients summed coming back: the same output, and key/value
+    gradients that differ only in the order each group's sum is taken. Traced by ``make_fx``
+    (the partitioner's trace) or inside a ``torch.func`` transform, the key/value heads are
+    repeated (``repeat_interleave``) before ``scaled_dot_product_attention``, so the fused kernel
+    sees equal head counts, which the partitioner's sharding rules split over heads; once
+    lowered to a rank's own shapes, ``partition.grouped_heads`` hands the kernels the groups
+    unrepeated again.
 
     Args:
         q: ``[B, H, S, Dqk]``.
@@ -494,7 +495,8 @@ def attention(
     n_heads, n_kv_heads = q.shape[1], k.shape[1]
     assert n_heads % n_kv_heads == 0, f"query heads {n_heads} not a multiple of kv heads {n_kv_heads}"
     with scope("shardfn.attention"):
-        if n_kv_heads != n_heads and eager() and all(type(t) is torch.Tensor for t in (q, k, v)):
+        if n_kv_heads != n_heads and (torch.compiler.is_compiling() or eager()) \
+                and all(type(t) is torch.Tensor for t in (q, k, v)):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
         if n_kv_heads != n_heads:
             k = k.repeat_interleave(n_heads // n_kv_heads, dim=1)  # [B, H, S, Dqk]

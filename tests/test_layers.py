@@ -264,6 +264,25 @@ def test_gqa_attention_eagerly_reads_groups_without_repeating_them():
     assert kernel.args[1].meta["val"].shape[1] == 4  # traced: repeated heads, as the partitioner shards them
 
 
+
+def test_gqa_attention_compiled_reads_groups_without_repeating_them():
+    g = gen(7)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((2, 4, 16, 8), (2, 2, 16, 8), (2, 2, 16, 8)))
+    graphs = []
+
+    def keep_graph(gm, example_inputs):  # a torch.compile backend that runs what dynamo captured
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(lambda q, k, v: L.attention(q, k, v), backend=keep_graph, fullgraph=True)(q, k, v)
+    calls = [str(n.target) for n in graphs[0].graph.nodes if n.op in ("call_function", "call_method")]
+    sdpa = [n for n in graphs[0].graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    assert len(sdpa) == 1 and sdpa[0].kwargs.get("enable_gqa") is True
+    assert not any("repeat_interleave" in c for c in calls)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), is_causal=True)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
 def _autograd_nodes(fn) -> set[str]:
     """The kinds of node in the backward graph that ends at ``fn``."""
     seen, kinds, todo = set(), set(), [fn]
