@@ -8,12 +8,12 @@ the gathered output for all-gather, the input for reduce-scatter, what is sent f
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from typing import Sequence
 
 import torch
 
-from shardfn.partition.fx import is_view
 from shardfn.partition.lower import collective_nodes
 from shardfn.partition.spec import describe
 
@@ -65,27 +65,69 @@ def comm_report(gm: torch.fx.GraphModule, mesh) -> list[dict]:
 def peak_temporary_bytes(gm: torch.fx.GraphModule) -> int:
     """Peak bytes of values the program creates (inputs excluded), freeing each after its last use.
 
-    Views are counted as free (they share their base's storage).
+    A value that shares another's storage holds no bytes of its own and keeps that storage alive:
+    a view (``view``, ``t``, ``select``, a ``split``'s pieces...), an op's in-place result
+    (``add_``, a bucket's ``all_reduce_``) and a collective's ``wait_tensor``. A value's bytes
+    are freed after the last use of it or of anything sharing it. A multi-output op's tensors
+    are counted where they are taken (its ``getitem`` nodes).
+
+        peak_temporary_bytes(lowered.graph_module)   # what memory_report()["activations"] says
     """
     nodes = list(gm.graph.nodes)
+    owner = storage_owners(gm)
     last_use: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
-            last_use[a] = i
+            last_use[owner.get(a, a)] = i
     live = 0
     peak = 0
     sizes: dict[torch.fx.Node, int] = {}
     for i, n in enumerate(nodes):
-        if n.op == "call_function":
+        if n.op == "call_function" and owner.get(n) is n:
             val = n.meta.get("val")
-            size = sum(_bytes(v) for v in _tensors(val) if not is_view(n))
+            size = _bytes(val) if isinstance(val, torch.Tensor) else 0
+            if n not in last_use:  # made and never read: freed at once
+                peak = max(peak, live + size)
+                continue
             sizes[n] = size
             live += size
             peak = max(peak, live)
-        for a in n.all_input_nodes:
+        for a in {owner.get(a, a) for a in n.all_input_nodes}:
             if last_use.get(a) == i and a in sizes:
                 live -= sizes.pop(a)
     return peak
+
+
+def storage_owners(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each ``call_function`` node -> the node whose storage its value lives in: itself for an
+    op that makes new tensors, else (a view, an in-place result, a ``wait_tensor``, a piece of
+    a view op's outputs) the owner of the value it aliases; a multi-output op that makes new
+    tensors owns nothing itself (each of its ``getitem`` pieces owns its own).
+
+        owners = storage_owners(gm); owners[view_node] is owners[view_node.args[0]]   # True
+    """
+    owner: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        src = n.args[0] if n.args and isinstance(n.args[0], torch.fx.Node) else None
+        if n.target is operator.getitem and src is not None:
+            of_src = owner.get(src)
+            owner[n] = of_src if of_src is not None and of_src is not src else n  # a view op's piece, or its own
+        elif src is not None and (_aliases_first_input(n) or n.target is _WAIT):
+            owner[n] = owner.get(src, src)
+        else:
+            owner[n] = n
+    return owner
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def _aliases_first_input(node: torch.fx.Node) -> bool:
+    """The op's result shares its first input's storage (a view, or that input written in place)."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _tensors(val):

@@ -211,8 +211,8 @@ def test_tp2_sequence_parallel_bytes_are_the_megatron_sp_textbook():
 def test_tp2_sequence_parallel_halves_the_activations_per_rank(clean_process_group):
     """Peak activation bytes per rank of the train step (memory_report, fake meshes, a sequence
     long enough that activations make the peak): tp2 alone keeps the residual stream and norms
-    whole on each rank (0.60 of one device); with sequence parallelism they are split and the
-    peak is half of one device's, but for the one gathered matmul input each block keeps for
+    whole on each rank (0.62 of one device); with sequence parallelism they are split and the
+    peak is 0.54 of one device's: half, but for the one gathered matmul input each block keeps for
     its backward."""
     cfg, model, params, opt, batches = setup(["train.seq_len=512", "train.batch_size=2"], "llama_tiny")
     peak = {}
@@ -228,8 +228,8 @@ def test_tp2_sequence_parallel_halves_the_activations_per_rank(clean_process_gro
             # or a partial sum of gradients not yet reduced; never whole on a rank
             placements = {n.meta["sf_placements"] for n in stream}
             assert len(stream) > 4 * cfg.model.n_layers and placements == {(Shard(1),), (Partial(),)}
-    assert peak["tp2"] / peak["one"] == pytest.approx(0.602, abs=0.002)
-    assert peak["tp2_sp"] / peak["one"] == pytest.approx(0.504, abs=0.002)
+    assert peak["tp2"] / peak["one"] == pytest.approx(0.617, abs=0.002)
+    assert peak["tp2_sp"] / peak["one"] == pytest.approx(0.540, abs=0.002)
 
 
 @pytest.mark.slow

@@ -567,3 +567,24 @@ def test_outputs_are_what_from_local_gives_and_keep_autograd(clean_process_group
     assert out.requires_grad
     out.to_local().sum().backward()
     assert torch.equal(w.grad.to_local(), torch.full((4, 3), 2.0))
+
+
+def test_peak_temporary_bytes_holds_a_value_while_a_view_or_an_in_place_result_of_it_lives():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardfn.partition.report import peak_temporary_bytes
+
+    def viewed(x):                   # x: 1024 floats, 4096 B
+        a = x * 2                    # 4096 B, alive while its view is
+        v = a.view(2, 512)
+        b = x + 1                    # 4096 B beside a
+        return v.sum() + b.sum()
+
+    def written_in_place(x):
+        a = x * 2
+        a.add_(1)                    # the same storage as a: no new bytes
+        return a.sum()
+
+    x = torch.randn(1024)
+    assert peak_temporary_bytes(make_fx(viewed)(x)) == 2 * 4096 + 4
+    assert peak_temporary_bytes(make_fx(written_in_place)(x)) == 4096 + 4
