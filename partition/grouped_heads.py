@@ -37,7 +37,7 @@ def read_grouped_heads(gm: fx.GraphModule) -> fx.GraphModule:
         gm = read_grouped_heads(gm)
         [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]   # no repeats left
     """
-    changed = False
+    changed, backwards = False, []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target not in (FORWARD, BACKWARD):
             continue
@@ -52,12 +52,13 @@ def read_grouped_heads(gm: fx.GraphModule) -> fx.GraphModule:
                 continue
             for grad, summed in sums:
                 summed.replace_all_uses_with(grad)
-                grad.meta["val"] = summed.meta.get("val")
+                grad.meta["val"] = summed.meta.get("val")  # its shape, until _refresh_vals runs the kernel
+            backwards.append(node)
         node.args = (*node.args[:at], k[0], v[0], *node.args[at + 2:])
         changed = True
     if changed:
         _drop_dead_repeats(gm.graph)
-        _refresh_vals(gm.graph)
+        _refresh_vals(backwards)
         gm.graph.lint()
         gm.recompile()
     return gm
@@ -151,12 +152,10 @@ def _drop_dead_repeats(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def _refresh_vals(graph: fx.Graph) -> None:
+def _refresh_vals(backwards: list[fx.Node]) -> None:
     """The rewritten flash backwards' fake outputs (their key/value gradients are smaller now),
     run again in the trace's fake mode, so later passes read the program's real shapes and strides."""
-    for node in graph.nodes:
-        if not _is(node, BACKWARD):
-            continue
+    for node in backwards:
         vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         modes = {id(getattr(v, "fake_mode", None)): getattr(v, "fake_mode", None) for v in tensors}

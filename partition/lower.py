@@ -124,7 +124,6 @@ def lower_redistribute(metas: Sequence[torch.Tensor], mesh, src: Sequence, dst: 
     example = [torch.empty(private.local_shape(m.shape, dmesh, pl), dtype=m.dtype) for m, pl in zip(metas, src)]
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
-    read_grouped_heads(gm)  # local shapes: the flash kernels read key/value groups without repeats
     return Lowered(gm, list(src), list(dst), example)
 
 

@@ -130,14 +130,6 @@ def _aliases_first_input(node: torch.fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def _tensors(val):
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (tuple, list)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
-
-
 # Ops that cut a value along a dim: on a value sharded along that dim (a fused qkv projection
 # split into q, k, v), each piece straddles ranks and the value is gathered first.
 SPLITTING_OPS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default", "aten.slice.Tensor",
