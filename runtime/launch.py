@@ -130,6 +130,18 @@ def _die_with_parent() -> None:
         pass
 
 
+def _thread_lock_for_progress_bars() -> None:
+    """Where tqdm is installed, its bars share a multiprocessing lock, which registers with the
+    launcher's resource tracker; torch.fx's Interpreter builds a (disabled) bar on every run. A rank
+    the launcher stops (Ctrl-C, a peer's failure) never unregisters it, and the tracker then warns of
+    leaked semaphores on the user's terminal. A rank is one process: a thread lock serves."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
            steps, times) -> None:
     import datetime
@@ -142,6 +154,7 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
     os.setpgrp()
     _die_with_parent()
     faulthandler.enable()  # a rank killed by a fatal signal prints where each of its threads was
+    _thread_lock_for_progress_bars()
     _progress = (rank, steps, times)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
