@@ -13,9 +13,9 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 DIRS = "docs|examples|benchmarks|tests|core|models|partition|runtime|plan|cli"
 NAMED = re.compile(rf"(?<![\w/.-])((?:{DIRS})/[\w./-]*\w)")
 
-# Pages another line of work adds (the model contract: docs/models.md); linked from here already
-# and checked like any other path once they exist.
-WRITTEN_ELSEWHERE = {ROOT / "docs" / "models.md"}
+# Paths another line of work adds (the model contract: docs/models.md, examples/models/); linked
+# from here already and checked like any other path once they exist.
+WRITTEN_ELSEWHERE = {ROOT / "docs" / "models.md", ROOT / "examples" / "models"}
 
 
 def _targets(page: Path):
