@@ -76,3 +76,20 @@ def test_results_sections_are_replaced_not_appended():
     text = results_md.replace_section("# Results\n", "bench_x", new)
     again = results_md.replace_section(text, "bench_x", new.replace("0.99", "1.01"))
     assert again.count("<!-- begin bench_x -->") == 1 and "| dp2 | 1.01 |" in again and "0.99" not in again
+
+
+def test_readme_jit_example_lowers_as_written(clean_process_group):
+    """The README's first block, on a simulated mesh (the call that runs it needs 4 ranks:
+    examples/jit_layouts.py and tests/test_examples.py run that)."""
+    import torch
+
+    text = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    mesh = 'sf.Mesh({"dp": 2, "tp": 2})'
+    assert mesh in code and "step.lower(params, opt_state, batch)" in code
+    code = code.replace(mesh, 'sf.Mesh({"dp": 2, "tp": 2}, fake=True)').split("params, opt_state, loss = step(")[0]
+    scope = {"params": {"w1": torch.randn(16, 32), "w2": torch.randn(32, 16)},
+             "batch": {"x": torch.randn(8, 16), "y": torch.randn(8, 16)}}
+    exec(compile(code, "README.md", "exec"), scope)
+    lowered = scope["step"].lower(scope["params"], scope["opt_state"], scope["batch"])
+    assert {(c["op"], c["axis"]) for c in lowered.comm_report()} == {("all_reduce", "dp"), ("all_reduce", "tp")}
