@@ -2,8 +2,12 @@
 
 Each section sits between ``<!-- begin NAME -->`` and ``<!-- end NAME -->`` (NAME: the JSON's
 file name without ``.json``) and holds the date, the machine, the command and the JSON's path,
-then a table of the JSON's rows (its ``results`` or ``rows`` list of flat objects). A rerun
-replaces the section; nothing else in the file changes.
+the JSON's top-level numbers and strings (its setup), then a table of its rows: a list of objects
+(``results``, ``rows``, or the first such list), or else objects keyed by name, one row each:
+the first top-level object of objects (``{"sizes": {"S": {...}, "M": {...}}}``), or the top-level
+objects themselves (``{"dp2": {...}, "fsdp2": {...}}``). Only
+numbers, strings and booleans become cells. A rerun replaces the section; nothing else in the
+file changes.
 
     python benchmarks/bench_memory.py
     python benchmarks/results_md.py benchmarks/results/bench_memory.json --command "python benchmarks/bench_memory.py"
@@ -60,12 +64,40 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _scalar(value) -> bool:
+    return isinstance(value, (int, float, str, bool)) or value is None
+
+
+def _named_rows(objects: dict) -> list[dict]:
+    return [{"name": key, **{k: v for k, v in value.items() if _scalar(v)}} for key, value in objects.items()]
+
+
+def rows_of(data: dict) -> list[dict]:
+    """The rows to tabulate (see the module docstring); a ValueError when there are none."""
+    for key in ("results", "rows"):
+        if isinstance(data.get(key), list) and data[key] and all(isinstance(r, dict) for r in data[key]):
+            return data[key]
+    for value in data.values():
+        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+            return value
+    for value in data.values():  # one level down: {"sizes": {"S": {...}, "M": {...}}}
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            return _named_rows(value)
+    named = {k: v for k, v in data.items() if isinstance(v, dict) and v and any(_scalar(x) for x in v.values())}
+    if named:
+        return _named_rows(named)
+    raise ValueError("no list of objects and no objects keyed by name to tabulate")
+
+
 def section(name: str, data: dict, *, command: str, source: str, machine_words: str, date: str) -> str:
-    rows = data.get("results", data.get("rows"))
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{source}: no 'results' or 'rows' list of objects to tabulate")
+    try:
+        rows = rows_of(data)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    setup = ", ".join(f"{k} {_cell(v)}" for k, v in data.items() if _scalar(v))
+    setup = f" Setup: {setup}." if setup else ""
     return (f"<!-- begin {name} -->\n### {name}\n\n"
-            f"{date}, {machine_words}. `{command}` (`{source}`).\n\n{table(rows)}\n<!-- end {name} -->")
+            f"{date}, {machine_words}. `{command}` (`{source}`).{setup}\n\n{table(rows)}\n<!-- end {name} -->")
 
 
 def replace_section(text: str, name: str, new: str) -> str:

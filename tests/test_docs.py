@@ -64,12 +64,28 @@ def test_pages_describe_the_code_as_it_is(page):
     assert not found, f"{page.relative_to(ROOT)}: {found}"
 
 
-def test_results_sections_are_replaced_not_appended():
+def _results_md():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("results_md", ROOT / "benchmarks" / "results_md.py")
-    results_md = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results_md)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_rows_from_the_shapes_benchmarks_write():
+    rows_of = _results_md().rows_of
+    assert rows_of({"results": [{"a": 1}]}) == [{"a": 1}]
+    by_layout = {"steps": 15, "dp2": {"ratio": 0.99, "nested": {"x": 1}}, "fsdp2": {"ratio": 0.95}}
+    assert rows_of(by_layout) == [{"name": "dp2", "ratio": 0.99}, {"name": "fsdp2", "ratio": 0.95}]
+    by_size = {"sizes": {"S": {"ratio": 0.97}}, "ratios": {"S": 0.97}}
+    assert rows_of(by_size) == [{"name": "S", "ratio": 0.97}]
+    with pytest.raises(ValueError, match="to tabulate"):
+        rows_of({"torch": "2.13"})
+
+
+def test_results_sections_are_replaced_not_appended():
+    results_md = _results_md()
     data = {"results": [{"layout": "dp2", "ratio": 0.99}]}
     new = results_md.section("bench_x", data, command="python b.py", source="benchmarks/results/bench_x.json",
                              machine_words="a CPU", date="2026-12-07")
