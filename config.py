@@ -34,9 +34,9 @@ import yaml
 
 from shardfn.core.precision import DTYPES, PRECISIONS
 from shardfn.core.units import parse_bytes
-from shardfn.partition.bucket import DEFAULT_BUCKET_BYTES
 from shardfn.partition.layouts import (
     AXIS_ORDER,
+    DEFAULT_BUCKET_BYTES,
     DEFAULT_RULES,
     LOGICAL_AXES,
     check_batch,

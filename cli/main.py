@@ -7,7 +7,9 @@
 Each subcommand is one module of ``shardfn.cli`` (``train``, ``params``, ``inspect``, ``plan``,
 ``schedule``, ``export``) with ``add_arguments(parser)`` and ``run(args) -> exit code``.
 :data:`SUBCOMMANDS` names them as ``"module:function"`` strings, so only the subcommand being run
-is imported and ``shardfn params`` never loads the partitioner.
+is imported: ``shardfn params`` loads the config and the model, and of the partitioner only the
+layout facts a config is checked against, never trace, propagate or lower
+(``tests/test_namespace.py``).
 
 Exit codes: 0 success, 1 a failure while running, 2 a usage or config error (message on stderr),
 130 interrupted (Ctrl-C). A failure prints one line; ``shardfn --debug SUBCOMMAND ...`` (or

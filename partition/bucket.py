@@ -34,10 +34,8 @@ from typing import Callable
 import torch
 
 from shardfn.partition.fx import is_view
+from shardfn.partition.layouts import DEFAULT_BUCKET_BYTES
 from shardfn.partition.lower import collective_nodes
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""``partition.bucket_bytes``' default: PyTorch DDP's 25 MiB bucket (``bucket_cap_mb``)."""
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional

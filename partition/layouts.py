@@ -41,6 +41,10 @@ SEQUENCE_AXIS = "cp"
 DATA_AXES = ("dp", "fsdp", "ep")
 """The axes the global batch is split over by default (``rules.batch``)."""
 
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""``partition.bucket_bytes``' default: PyTorch DDP's 25 MiB bucket (``bucket_cap_mb``). Used by
+the gradient bucketing pass (``partition.bucket``); kept here so a config loads without it."""
+
 LOGICAL_AXES = (
     "batch", "seq",  # activations
     "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",

@@ -268,13 +268,13 @@ def test_bad_dtype_and_missing_flags_are_usage_errors():
         assert e.value.code == 2
 
 
-def test_readme_export_usage_lists_every_option():
+def test_cli_doc_export_usage_lists_every_option():
     import argparse
 
     from shardfn.cli.main import SUBCOMMANDS, _resolve
 
-    readme = (Path(cli.__file__).resolve().parent.parent / "README.md").read_text()
-    usage = next(line for line in readme.splitlines() if line.startswith("### `shardfn export"))
+    doc = (Path(cli.__file__).resolve().parent.parent / "docs" / "cli.md").read_text()
+    usage = next(line for line in doc.splitlines() if line.startswith("## `shardfn export"))
     parser = argparse.ArgumentParser()
     _resolve(SUBCOMMANDS["export"].add_arguments)(parser)
     options = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
