@@ -400,7 +400,9 @@ def check_gemm(device: torch.device, size: dict, args) -> dict:
         torch.autograd.backward(y, dy)
 
     times = _timed(attention, device, 2, 10 if device.type == "cuda" else 3)
-    flops = 3.5 * 4.0 * a["batch"] * a["heads"] * a["seq"] ** 2 * a["head_dim"] / 2  # causal fwd + bwd (FA2's count)
+    # causal forward 2 B H S^2 D (half of QK^T and PV), backward twice that: the planner's count
+    # (docs/plan.md, attention_s), so the share compares with the table's as the run model uses it
+    flops = 3 * 2.0 * a["batch"] * a["heads"] * a["seq"] ** 2 * a["head_dim"]
     rate = flops / statistics.median(times)
     att = {**a, "tflops": rate / 1e12, "share_of_peak": rate / peak if peak else None,
            "table_share": eff.attention if profile not in (None, "cpu") else None}

@@ -81,8 +81,9 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def _strides_aligned(t: torch.Tensor) -> bool:
+    # CUDA's kernel (TMA loads) also wants the start 16-byte aligned: a view at an odd offset is copied
     a = alignment(t.dtype)
-    return all(s % a == 0 for d, s in zip(t.shape, t.stride()) if s != 1 and d != 1)
+    return t.storage_offset() % a == 0 and all(s % a == 0 for d, s in zip(t.shape, t.stride()) if s != 1 and d != 1)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

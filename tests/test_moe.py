@@ -308,3 +308,12 @@ def test_moe_layer_traces_with_fake_tensors_and_no_host_sync():
     graph = make_fx(torch.func.grad(lambda p, x: moe.moe_layer(p, x, cfg)[0].sum()), tracing_mode="fake")(p, x)
     code = str(graph.graph)
     assert "_local_scalar_dense" not in code and "nonzero" not in code
+
+
+def test_grouped_mm_copies_a_view_that_starts_off_the_16_byte_grid():
+    from shardfn.core.grouped_mm import _aligned
+
+    x = torch.randn(9, 8)
+    assert _aligned(x[1:]).data_ptr() == x[1:].data_ptr()        # 8 floats (32 bytes) in: on the grid, as it is
+    y = torch.randn(4 * 8 + 1)[1:].view(4, 8)                     # 4 bytes in: off the grid, copied
+    assert _aligned(y).storage_offset() == 0 and torch.equal(_aligned(y), y)
