@@ -87,8 +87,9 @@ def _strides_aligned(t: torch.Tensor) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # The kernel wants 16-byte strides; a contiguous copy has them whenever the inner dim is aligned.
-    return t if _strides_aligned(t) else t.contiguous()
+    # The kernel wants 16-byte strides and start; a fresh contiguous copy has them whenever the
+    # inner dim is aligned (``contiguous()`` would hand back a contiguous view at an odd offset).
+    return t if _strides_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("shardfn::grouped_mm", mutates_args=())
