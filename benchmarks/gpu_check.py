@@ -308,14 +308,27 @@ def check_moe(device: torch.device, size: dict, args) -> dict:
 # ----------------------------------------------------------------------------- gqa
 
 
-def _one_rank_env(device: torch.device) -> None:
-    """A one-rank process group as torchrun would describe it (NCCL needs the variables)."""
-    if device.type != "cuda" or "RANK" in os.environ:
-        return
-    from shardfn.runtime.launch import free_port
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+
+def _one_rank_env(device: torch.device) -> dict:
+    """Describe a one-rank process group as torchrun would (NCCL needs the variables); returns
+    what to restore afterwards."""
+    saved = {k: os.environ.get(k) for k in _LAUNCH_VARS}
+    if device.type == "cuda" and "RANK" not in os.environ:
+        from shardfn.runtime.launch import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=str(device.index or 0), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    return saved
+
+
+def _restore_env(saved: dict) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 def check_gqa(device: torch.device, size: dict, args) -> dict:
@@ -330,11 +343,11 @@ def check_gqa(device: torch.device, size: dict, args) -> dict:
     # one layer and a small vocabulary: the program's attention is what is looked at
     cfg = _config(size, 1, min(args.seq or size["seq"], 2048), vocab_size=min(size["model"]["vocab_size"], 1024))
     model = models.get("llama")
-    _one_rank_env(device)
     import shardfn as sf
 
-    mesh = sf.Mesh({"dp": 1}, device=device.type)
+    saved = _one_rank_env(device)
     try:
+        mesh = sf.Mesh({"dp": 1}, device=device.type)
         params = model.init(cfg.model, cfg.train.seed, device=device)
         opt = make_optimizer(cfg.train, model)
         step = mesh_step(cfg, model, opt, params, mesh, backend=None)
@@ -354,6 +367,7 @@ def check_gqa(device: torch.device, size: dict, args) -> dict:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        _restore_env(saved)
     grouped = all(k["kv_heads"] == cfg.model.n_kv_heads for k in kernels)
     out = {"kernels": kernels, "repeated_kv_copies": repeats, "process_group": backend,
            "heads": (cfg.model.n_heads, cfg.model.n_kv_heads), "ok": bool(kernels) and grouped and not repeats}
@@ -419,8 +433,9 @@ def check_tests(device: torch.device, size: dict, args) -> dict:
     if device.type != "cuda":
         return {"skipped": "the cuda-marked tests need a GPU"}
     tic = time.perf_counter()
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     tail = proc.stdout.strip().splitlines()[-15:]
     print("  tests " + (tail[-1] if tail else "(no output)"), flush=True)
     out = {"returncode": proc.returncode, "summary": tail, "wall_s": time.perf_counter() - tic}

@@ -129,6 +129,6 @@ def test_on_cuda_the_traced_attention_reads_the_groups_and_matches(dtype):
     if dtype == torch.bfloat16:  # SDPA picks flash (or cuDNN): both read grouped heads
         assert kernel.grouped and aten.clone.default not in targets
     got = gm(*args)
-    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     for a, b in zip(got, want):  # the kernels' own tiling may differ with the head count: not bitwise here
         torch.testing.assert_close(a, b, **tol)
