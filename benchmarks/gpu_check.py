@@ -105,8 +105,7 @@ def card_profile(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device).upper()
-    for key, profile in (("H200", "h200"), ("GH200", "h200"), ("H100", "h100"), ("A100", "a100"),
-                         ("B200", "b200")):
+    for key, profile in (("H200", "h200"), ("H100", "h100"), ("A100", "a100"), ("B200", "b200")):
         if key in name:
             return profile
     return None
