@@ -373,7 +373,7 @@ def run_schedule(
                 mine_f, mine_b = [], []
                 log = run_pair(lambda: _compute(rank, a, record, global_rank, mine_f),
                                lambda: _compute(rank, b, record, global_rank, mine_b),
-                               device=rank.device, keep=rank.live())
+                               device=rank.device, keep=rank.live() if rank.device.type == "cuda" else None)
                 turns.append((a.cell, b.cell, log))
                 events += _pair_events(mine_f, mine_b, log, global_rank) if record else []
             else:
