@@ -230,7 +230,7 @@ class PartitionConfig:
 class RuntimeConfig:
     timeout_s: float = 600.0  # multi-process runs: every rank is stopped after this long
     nproc: Union[int, None] = None  # local processes to launch; null: the mesh's world size
-    device: str = "cpu"  # single-device runs: "cpu", "cuda", "cuda:1", ...
+    device: str = "cpu"  # "cpu", "cuda" (each rank of a mesh on its cuda:LOCAL_RANK, over NCCL), "cuda:1", ...
     threads: Union[int, None] = None  # CPU intra-op threads (torch.set_num_threads); null: torch's default
 
     def validate(self) -> None:

@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             spawn(_train_rank, nproc, args=(cfg.to_dict(), args.metrics, args.trace),
-                  timeout_s=cfg.runtime.timeout_s)
+                  timeout_s=cfg.runtime.timeout_s,
+                  backend="nccl" if cfg.runtime.device.startswith("cuda") else "gloo")
         except RankFailed as e:
             if e.mistake is not None and not debug:
                 raise UsageError(f"rank {e.rank}: {e.mistake}") from None

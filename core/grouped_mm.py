@@ -81,13 +81,15 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 
 def _strides_aligned(t: torch.Tensor) -> bool:
+    # CUDA's kernel (TMA loads) also wants the start 16-byte aligned: a view at an odd offset is copied
     a = alignment(t.dtype)
-    return all(s % a == 0 for d, s in zip(t.shape, t.stride()) if s != 1 and d != 1)
+    return t.storage_offset() % a == 0 and all(s % a == 0 for d, s in zip(t.shape, t.stride()) if s != 1 and d != 1)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    # The kernel wants 16-byte strides; a contiguous copy has them whenever the inner dim is aligned.
-    return t if _strides_aligned(t) else t.contiguous()
+    # The kernel wants 16-byte strides and start; a fresh contiguous copy has them whenever the
+    # inner dim is aligned (``contiguous()`` would hand back a contiguous view at an odd offset).
+    return t if _strides_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("shardfn::grouped_mm", mutates_args=())

@@ -4,14 +4,33 @@ Traced for the partitioner, ``core.layers.attention`` repeats each key/value hea
 of query heads (``repeat_interleave``: ``unsqueeze -> expand -> clone -> view``) so that the
 fused attention ops see equal head counts, the form DTensor's sharding rules split over heads.
 Once lowered, every shape is a rank's own, so the group size is known for certain; there the
-CPU flash kernels read the groups themselves (``enable_gqa``'s path): this pass hands them the
-key/value heads as they are and drops the repeated copies. Going forward that saves one copy of
-``k`` and ``v`` per layer (and the memory a backward keeps them for); coming back, the kernel's
-key/value gradients come out already summed per group, where the program summed them after it.
+kernels that read the groups themselves (``enable_gqa``'s path) are handed the key/value heads
+as they are and the repeated copies are dropped. Going forward that saves one copy of ``k`` and
+``v`` per layer (and the memory a backward keeps them for); coming back, the kernel's key/value
+gradients come out already summed per group, where the program summed them after it.
+
+One formulation for every device: :data:`KERNELS` lists, per fused attention op the trace can
+hold, where its key, value and mask arguments sit and whether it reads grouped heads.
+
+=================================================  ======  =====================================
+forward (backward ``..._backward``)                device  grouped key/value heads
+=================================================  ======  =====================================
+``_scaled_dot_product_flash_attention_for_cpu``    CPU     read in place
+``_scaled_dot_product_flash_attention``            CUDA    read in place (FlashAttention-2)
+``_scaled_dot_product_cudnn_attention``            CUDA    read in place (no attention bias)
+``_scaled_dot_product_efficient_attention``        CUDA    kept repeated: the kernel needs equal
+                                                           head counts (``sdp_utils.cpp``), so
+                                                           fp32 CUDA attention keeps its copies
+=================================================  ======  =====================================
+
+Which op a CUDA trace holds is SDPA's choice at trace time (bf16/fp16 on sm80+: flash; fp32:
+efficient; ``torch.nn.attention.sdpa_kernel`` to force one). A head dim that flash pads to a
+multiple of 8 puts a pad between the repeat and the kernel; such an attention stays as it was.
 
 The forward's outputs are the same to the bit; the key/value gradients differ from the repeated
 form's only in the order each group's sum is taken (float rounding). An attention whose inputs
-are not repeated this way, or whose gradients go anywhere but their group sum, stays as it was.
+are not repeated this way, that has a mask, or whose gradients go anywhere but their group sum,
+stays as it was.
 
     gm = read_grouped_heads(lowered.graph_module)    # in place; ``lower`` runs it
 """
@@ -19,6 +38,7 @@ are not repeated this way, or whose gradients go anywhere but their group sum, s
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -26,27 +46,55 @@ import torch.fx as fx
 from shardfn.core._torch_private import fake_mode
 
 _aten = torch.ops.aten
-FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
-BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class Kernel(NamedTuple):
+    """A fused attention op pair: where its arguments sit, and whether it reads grouped heads."""
+
+    forward: object          # OpOverload: (q, k, v, ...) -> (out, logsumexp, ...)
+    backward: object         # OpOverload: (grad_out, q, k, v, ...) -> (dq, dk, dv, ...)
+    forward_mask: int | str | None   # the mask/bias argument: a position, a keyword, or none
+    backward_mask: int | str | None
+    grouped: bool            # the kernel reads H // Hkv query heads per key/value head
+
+
+KERNELS = (
+    Kernel(_aten._scaled_dot_product_flash_attention_for_cpu.default,
+           _aten._scaled_dot_product_flash_attention_for_cpu_backward.default, "attn_mask", "attn_mask", True),
+    Kernel(_aten._scaled_dot_product_flash_attention.default,
+           _aten._scaled_dot_product_flash_attention_backward.default, None, None, True),
+    Kernel(_aten._scaled_dot_product_cudnn_attention.default,
+           _aten._scaled_dot_product_cudnn_attention_backward.default, 3, 8, True),
+    Kernel(_aten._scaled_dot_product_efficient_attention.default,
+           _aten._scaled_dot_product_efficient_attention_backward.default, 3, 4, False),
+)
+FORWARD = KERNELS[0].forward     # the CPU pair, by its old names
+BACKWARD = KERNELS[0].backward
+FORWARDS = frozenset(k.forward for k in KERNELS if k.grouped)
+BACKWARDS = frozenset(k.backward for k in KERNELS if k.grouped)
+_GROUPED = FORWARDS | BACKWARDS
+_MASK = {op: mask for k in KERNELS for op, mask in ((k.forward, k.forward_mask), (k.backward, k.backward_mask))}
 
 
 def read_grouped_heads(gm: fx.GraphModule) -> fx.GraphModule:
-    """Give ``gm``'s CPU flash attentions (forward and backward) their key/value heads unrepeated
-    (in place; ``gm`` is returned). See the module docstring.
+    """Give ``gm``'s fused attentions that read grouped heads (:data:`KERNELS`: CPU flash, CUDA
+    flash and cuDNN; forward and backward) their key/value heads unrepeated (in place; ``gm`` is
+    returned). See the module docstring.
 
         gm = read_grouped_heads(gm)
         [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]   # no repeats left
     """
     changed, backwards = False, []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in (FORWARD, BACKWARD):
+        if node.op != "call_function" or node.target not in _GROUPED:
             continue
-        at = 1 if node.target is FORWARD else 2            # (q, k, v, ...) / (grad, q, k, v, ...)
+        is_backward = node.target in BACKWARDS
+        at = 2 if is_backward else 1            # (grad, q, k, v, ...) / (q, k, v, ...)
         k, v = (_repeated(node.args[at]), _repeated(node.args[at + 1]))
-        if k is None or v is None or k[1] != v[1] or node.kwargs.get("attn_mask") is not None:
+        if k is None or v is None or k[1] != v[1] or _masked(node):
             continue
         group = k[1]
-        if node.target is BACKWARD:
+        if is_backward:
             sums = _group_sums(node, group)
             if sums is None:
                 continue
@@ -62,6 +110,16 @@ def read_grouped_heads(gm: fx.GraphModule) -> fx.GraphModule:
         gm.graph.lint()
         gm.recompile()
     return gm
+
+
+def _masked(node: fx.Node) -> bool:
+    """Whether attention ``node`` is given a mask or bias (a kernel without one: never)."""
+    where = _MASK[node.target]
+    if where is None:
+        return False
+    if isinstance(where, str):
+        return node.kwargs.get(where) is not None
+    return len(node.args) > where and node.args[where] is not None
 
 
 def _repeated(node) -> tuple[fx.Node, int] | None:
@@ -92,7 +150,7 @@ def _repeated(node) -> tuple[fx.Node, int] | None:
 
 
 def _group_sums(backward: fx.Node, group: int) -> list[tuple[fx.Node, fx.Node]] | None:
-    """For a flash backward on repeated key/value heads: ``(gradient, its group sum)`` for the
+    """For an attention backward on repeated key/value heads: ``(gradient, its group sum)`` for the
     key and value gradients (outputs 1 and 2), each summed as ``squeeze(sum(view(g, [B, H, group,
     S, D]), [2], keepdim), 2)``; None where any use of them is not that sum."""
     out = []
@@ -153,7 +211,7 @@ def _drop_dead_repeats(graph: fx.Graph) -> None:
 
 
 def _refresh_vals(backwards: list[fx.Node]) -> None:
-    """The rewritten flash backwards' fake outputs (their key/value gradients are smaller now),
+    """The rewritten attention backwards' fake outputs (their key/value gradients are smaller now),
     run again in the trace's fake mode, so later passes read the program's real shapes and strides."""
     for node in backwards:
         vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]

@@ -100,7 +100,7 @@ def lower(
     example = local_inputs(traced, mesh, in_placements)
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
-    read_grouped_heads(gm)  # local shapes: the flash kernels read key/value groups without repeats
+    read_grouped_heads(gm)  # local shapes: the fused attention kernels read key/value groups without repeats
     return Lowered(gm, list(in_placements), kept, example)
 
 

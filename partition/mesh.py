@@ -2,6 +2,11 @@
 
     mesh = Mesh({"dp": 2, "tp": 2})          # needs 4 ranks: torchrun, or `shardfn train --nproc 4`
     plan = Mesh({"ep": 64, "pp": 16}, fake=True)   # one process, no collectives run
+
+On GPUs each process computes on ``cuda:LOCAL_RANK`` (:func:`local_device`): torchrun sets
+``LOCAL_RANK`` (the rank within its node), and so does ``shardfn train --nproc N``. A mesh on
+``"cuda"`` makes that device current before NCCL sees it, so every collective of the process
+group and of the device mesh's subgroups runs on it.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ class Mesh:
                 f"make the product of the axis sizes equal {world}, or launch {self.size} processes"
             )
         if device == "cuda":
-            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+            torch.cuda.set_device(local_device_index())
         dims = tuple(a for a, s in axes.items() if s > 1) or (next(iter(axes)),)
         object.__setattr__(self, "dims", dims)
         dm = init_device_mesh(device, tuple(axes[a] for a in dims), mesh_dim_names=dims)
@@ -160,7 +165,11 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
         return
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        if device == "cuda":  # NCCL binds the group to the current device: make it this rank's first
+            torch.cuda.set_device(local_device_index())
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_device_index()))
+        else:
+            dist.init_process_group("gloo")
         return
     if size == 1:
         # A one-device mesh needs no launcher: a private single-rank gloo group.
@@ -171,6 +180,38 @@ def _ensure_process_group(size: int, *, fake: bool, device: str) -> None:
         f"Mesh of {size} devices: no process group is initialised and the torchrun variables "
         f"(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are not set; {_LAUNCH_HINT}"
     )
+
+
+def local_device_index() -> int:
+    """This process's GPU index: ``LOCAL_RANK`` where the launcher set it, else the global rank
+    modulo the visible GPUs (0 outside a process group).
+
+        local_device_index()   # 3 for the fourth rank of a node under torchrun
+    """
+    if "LOCAL_RANK" in os.environ:
+        index = int(os.environ["LOCAL_RANK"])
+    else:
+        index = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    count = torch.cuda.device_count()
+    if count and index >= count:
+        raise RuntimeError(f"LOCAL_RANK {index} but this node shows {count} CUDA device(s); launch at most "
+                           f"{count} processes per node (torchrun --nproc-per-node {count}), or set "
+                           f"CUDA_VISIBLE_DEVICES")
+    return index
+
+
+def local_device(device: str | torch.device) -> torch.device:
+    """The device this process computes on for ``runtime.device`` ``device``: ``"cuda"`` (no
+    index) becomes ``cuda:LOCAL_RANK`` (:func:`local_device_index`); anything else stays as given.
+
+        local_device("cuda")     # cuda:1 on LOCAL_RANK=1
+        local_device("cuda:0")   # cuda:0 (a single-device run that picks its GPU)
+        local_device("cpu")      # cpu
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", local_device_index())
+    return device
 
 
 _FAKE: dict = {"world": None, "meshes": {}}

@@ -12,8 +12,9 @@ chunk's forward. That only waits later than the blocking batches the schedule va
 so a validated schedule cannot deadlock. Buffers have static shapes, known from the fake trace.
 With ``overlap_pairs``, each overlapped pair (``partition.schedules.pair_overlaps``: an ``F`` and
 the other chunk's ``B``) runs as one step whose two members take turns at their MoE exchange
-waits (``runtime.interleave``), one computing while the other's all-to-all is in flight.
-``runtime.pipeline_step`` turns one run into a training step.
+waits (``runtime.interleave``), one computing while the other's all-to-all is in flight; on a
+GPU the second member runs on its own CUDA stream, joined with the rank's at the pair's start
+and end. ``runtime.pipeline_step`` turns one run into a training step.
 
     out = run_schedule(pipe, get_schedule("1f1b", 2, 4), rank, held, microbatches, group=pp_group)
     out.loss, out.grads[rank]["layers.w1"]
@@ -221,6 +222,13 @@ class _Rank:
                                f"without a W or B")
         return torch.stack(self.losses).sum() / self.m if self.losses else None
 
+    def live(self) -> list:
+        """Every tensor the rank holds for later actions now (a snapshot: its envs' values, the
+        activations and input gradients in hand, the posted buffers), for ``run_pair``'s ``keep``:
+        on a GPU, what a pair's second member frees stays allocated until the pair's streams join."""
+        return [[dict(env) for env in self.envs.values()], dict(self.acts), dict(self.cots),
+                [t for _, t, _ in self.received.values()], [t for _, t in self.pending_sends]]
+
     def held_bytes(self) -> int:
         """Bytes of distinct storages held for later actions (parameters excluded)."""
         seen, total = set(), 0
@@ -364,7 +372,8 @@ def run_schedule(
                 i += 1
                 mine_f, mine_b = [], []
                 log = run_pair(lambda: _compute(rank, a, record, global_rank, mine_f),
-                               lambda: _compute(rank, b, record, global_rank, mine_b))
+                               lambda: _compute(rank, b, record, global_rank, mine_b),
+                               device=rank.device, keep=rank.live() if rank.device.type == "cuda" else None)
                 turns.append((a.cell, b.cell, log))
                 events += _pair_events(mine_f, mine_b, log, global_rank) if record else []
             else:

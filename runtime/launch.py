@@ -143,7 +143,7 @@ def _thread_lock_for_progress_bars() -> None:
 
 
 def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
-           steps, times) -> None:
+           steps, times, backend: str = "gloo") -> None:
     import datetime
 
     import torch.distributed as dist
@@ -165,7 +165,13 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
     set_default_group_timeout(timeout)  # the subgroups a DeviceMesh creates get it too (default 30 min)
     one_gloo_worker_thread()  # collectives in flight together are safe on one gloo thread, not two
     try:
-        dist.init_process_group("gloo", timeout=timeout)
+        if backend == "nccl":  # each rank on its own GPU (LOCAL_RANK), as under torchrun
+            from shardfn.partition.mesh import local_device_index
+
+            torch.cuda.set_device(local_device_index())
+            dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local_device_index()))
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
         out = fn(*args)
         buf = io.BytesIO()
         torch.save(out, buf)  # plain bytes: no shared-memory handles that die with this process
@@ -184,8 +190,10 @@ def _child(rank: int, nproc: int, port: int, fn: Callable, args: tuple, results,
 # ----------------------------------------------------------------------------- the launcher
 
 
-def spawn(fn: Callable, nproc: int, args: tuple = (), timeout_s: float = 300.0) -> list[Any]:
+def spawn(fn: Callable, nproc: int, args: tuple = (), timeout_s: float = 300.0,
+          backend: str = "gloo") -> list[Any]:
     """Run ``fn(*args)`` on ``nproc`` gloo ranks; return the per-rank results in rank order.
+    ``backend="nccl"``: NCCL ranks instead, rank ``r`` on ``cuda:r`` (its ``LOCAL_RANK``).
 
     ``fn`` must be importable (a module-level function). ``timeout_s`` is each collective's
     timeout and, plus :data:`GRACE_S`, the longest the run may go without :func:`progress`.
@@ -203,7 +211,8 @@ def spawn(fn: Callable, nproc: int, args: tuple = (), timeout_s: float = 300.0) 
     times = ctx.Array("d", [0.0] * nproc, lock=False)
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(r, nproc, port, fn, args, results, timeout_s, steps, times), daemon=True)
+        ctx.Process(target=_child, args=(r, nproc, port, fn, args, results, timeout_s, steps, times, backend),
+                    daemon=True)
         for r in range(nproc)
     ]
     with _sigint_ignored():  # the ranks ignore Ctrl-C (inherited); the launcher stops them (SIGTERM)

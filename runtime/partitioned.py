@@ -39,8 +39,15 @@ from shardfn.runtime.step import Step, identity_state
 
 
 def mesh_from_config(cfg, *, fake: bool = False) -> sf.Mesh:
-    """The ``sf.Mesh`` of the config's non-pipeline axes (``pp`` is the pipeline's own)."""
-    return sf.Mesh(mesh_axes(cfg.mesh.axes(), include_pp=False), fake=fake)
+    """The ``sf.Mesh`` of the config's non-pipeline axes (``pp`` is the pipeline's own), on the
+    kind of device ``runtime.device`` names (cuda: NCCL, each rank on its ``cuda:LOCAL_RANK``)."""
+    return sf.Mesh(mesh_axes(cfg.mesh.axes(), include_pp=False), fake=fake,
+                   device=None if fake else device_kind(cfg))
+
+
+def device_kind(cfg) -> str:
+    """``"cuda"`` or ``"cpu"``: the kind of device of ``runtime.device`` (a mesh's backend)."""
+    return torch.device(cfg.runtime.device).type
 
 
 def constrained(inner: optim.GradientTransformation, specs: Any,

@@ -531,7 +531,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     pp = cfg.mesh.pp
     sched = get_schedule(p.schedule, pp, p.microbatches, stages_per_rank(p.schedule, pp, p.stages))
     if mesh is None:
-        mesh = sf.Mesh(mesh_axes(cfg.mesh.axes()))
+        mesh = sf.Mesh(mesh_axes(cfg.mesh.axes()), device=torch.device(cfg.runtime.device).type)
     stage_axes = {a: n for a, n in mesh.axes.items() if a != "pp"}
     stage_mesh = mesh.sub(list(stage_axes))
     rules = resolve_rules(cfg.rules, stage_axes)

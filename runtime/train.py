@@ -21,6 +21,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from shardfn.core.pytree import PyTree, count
+from shardfn.partition.mesh import local_device
 from shardfn.runtime import checkpoint, data, launch
 from shardfn.runtime.build import build_step
 from shardfn.runtime.checkpoint import save_checkpoint
@@ -103,7 +104,7 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     t = cfg.train
     if not is_main_rank():
         log, metrics_path = (lambda line: None), None  # one voice: rank 0 logs and writes metrics
-    device = torch.device(cfg.runtime.device)
+    device = local_device(cfg.runtime.device)  # "cuda": this rank's cuda:LOCAL_RANK
     model = models.get(cfg.model_name)
     if t.init_from:  # Hugging Face safetensors (models/hf.py); checkpoints still resume over them
         from shardfn.models import hf

@@ -74,3 +74,40 @@ def test_a_pairs_trace_splits_each_member_at_its_handoffs():
         ("B0@s2", "B", 15, 30), ("EXCHANGE_B0@s2", "EP", 30, 41), ("F2@s1", "F", 31, 40), ("B0@s2", "B", 41, 50)]
     # busy time: F 10 + 9, B 15 + 9; the EP and P2P stretches are idle
     assert executor.bubble_fraction(events) == pytest.approx(1 - 43 / 50)
+
+
+def test_on_cpu_a_pair_has_no_streams_and_keeps_nothing_past_its_end():
+    import torch
+
+    held = torch.ones(3)
+    seen = []
+    run_pair(lambda: seen.append("F"), lambda: seen.append("B"), device=torch.device("cpu"), keep=[held])
+    assert seen == ["F", "B"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_second_member_runs_on_its_own_stream_joined_at_both_ends():
+    import torch
+
+    from shardfn.runtime.interleave import side_stream
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    main = torch.cuda.current_stream(device)
+    x = torch.randn(2048, 2048, device=device)
+    y = x @ x                                                  # queued on the main stream before the pair
+    streams, out = {}, {}
+
+    def first():
+        streams["F"] = torch.cuda.current_stream(device)
+        out["F"] = (x @ x).sum()
+
+    def second():
+        streams["B"] = torch.cuda.current_stream(device)
+        assert torch.cuda.current_device() == device.index
+        out["B"] = (y @ x).sum()                               # reads the main stream's y: joined at the start
+
+    run_pair(first, second, device=device, keep=[y])
+    assert streams["F"] == main and streams["B"] == side_stream(device) and streams["B"] != main
+    assert torch.cuda.current_stream(device) == main            # this thread is back on its stream
+    torch.testing.assert_close(out["B"], ((x @ x) @ x).sum(), rtol=1e-3, atol=1e-1)  # read on main: joined at the end

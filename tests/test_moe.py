@@ -308,3 +308,33 @@ def test_moe_layer_traces_with_fake_tensors_and_no_host_sync():
     graph = make_fx(torch.func.grad(lambda p, x: moe.moe_layer(p, x, cfg)[0].sum()), tracing_mode="fake")(p, x)
     code = str(graph.graph)
     assert "_local_scalar_dense" not in code and "nonzero" not in code
+
+
+def test_grouped_mm_copies_a_view_that_starts_off_the_16_byte_grid():
+    from shardfn.core.grouped_mm import _aligned
+
+    x = torch.randn(9, 8)
+    assert _aligned(x[1:]).data_ptr() == x[1:].data_ptr()        # 8 floats (32 bytes) in: on the grid, as it is
+    y = torch.randn(4 * 8 + 1)[1:].view(4, 8)                     # 4 bytes in: off the grid, copied
+    assert _aligned(y).storage_offset() == 0 and torch.equal(_aligned(y), y)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_mm_on_cuda_in_bf16_matches_per_expert_matmuls_forward_and_backward():
+    g = torch.Generator().manual_seed(0)
+    counts = torch.tensor([40, 0, 72, 16])                             # an empty expert, uneven groups
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    x = torch.randn(128, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    w = (torch.randn(4, 64, 96, generator=g) * 0.1).to("cuda", torch.bfloat16).requires_grad_()
+    dy = torch.randn(128, 96, generator=g).to("cuda", torch.bfloat16)
+    y = grouped_mm(x, w, offs)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    want = torch.cat([x[s:e] @ w[i] for i, (s, e) in enumerate(zip(starts, ends))])
+    want_dx, want_dw = torch.autograd.grad(want, (x, w), dy)
+    for a, b in ((y, want), (dx, want_dx), (dw, want_dw)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    odd = torch.randn(128 * 64 + 1, generator=g).to("cuda", torch.bfloat16)[1:].view(128, 64)  # 2 bytes off the grid
+    torch.testing.assert_close(grouped_mm(odd, w, offs).float(), grouped_mm(odd.clone(), w, offs).float())
