@@ -248,28 +248,33 @@ class Jitted:
 
     def _lower(self, args) -> LoweredStep:
         args = _global_stand_ins(args)  # a first call may pass DTensors (a resumed run's, or a step's own outputs)
-        if _has_auto(self.in_specs):
-            fixed = None if self.in_specs is AUTO else self.in_specs
-            step, result = jit_auto(self.fn, self.mesh, args, arg_names=self.arg_names,
-                                    fixed_specs=fixed, memory_budget=self.memory_budget)
-            step.auto = result  # the solver's choice: .to_rules_yaml(), .comparison_table(...)
-            return step
         with mesh_scope(self.mesh):
             traced = trace(self.fn, args)
         traced = run_passes(self.passes, "after_trace", traced)
-        in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
+        result = None
+        if _has_auto(self.in_specs):  # the solver chooses the specs; every other option applies as without it
+            from shardfn.partition import auto
+
+            fixed = None if self.in_specs is AUTO else self.in_specs
+            result = auto.solve(traced, self.mesh, arg_names=self.arg_names, fixed_specs=fixed,
+                                memory_budget=self.memory_budget)
+            in_specs, out_specs = auto.apply(traced, result), list(result.out_specs)
+            placements = result._problem._placements
+        else:
+            in_specs = broadcast_specs(self.in_specs, args, what="in_specs")
+            out_tree = optree.tree_unflatten(traced.out_treedef, traced.out_meta)
+            out_specs = broadcast_specs(self.out_specs, out_tree, what="out_specs")
+            placements = self.mesh.placements
         in_placements = []
         for spec, meta, path in zip(in_specs, traced.in_meta, traced.in_paths):
             where = f"input {_pretty(path, self.arg_names)}"
-            pl = self.mesh.placements(spec, meta.ndim, where=where)
+            pl = placements(spec, meta.ndim, where=where)
             check_divisible(meta.shape, spec, self.mesh.axes, where=where)
             in_placements.append(pl)
-        out_tree = optree.tree_unflatten(traced.out_treedef, traced.out_meta)
-        out_specs = broadcast_specs(self.out_specs, out_tree, what="out_specs")
         out_placements = []
         for i, (spec, meta) in enumerate(zip(out_specs, traced.out_meta)):
             where = f"output {i} {tuple(meta.shape)}"
-            out_placements.append(self.mesh.placements(spec, meta.ndim, where=where))
+            out_placements.append(placements(spec, meta.ndim, where=where))
             check_divisible(meta.shape, spec, self.mesh.axes, where=where)
         arg_of_leaf = _arg_index_of_leaves(args)
         stored = [i in self.fsdp_argnums for i in arg_of_leaf]
@@ -291,7 +296,10 @@ class Jitted:
             lowered.graph_module = run_passes(self.passes, "after_lower", traced, lowered.graph_module)
         grads_role = None if "params" in roles or not self.fsdp_argnums else "+".join(
             dict.fromkeys(r for r, i in zip(roles, arg_of_leaf) if i in self.fsdp_argnums))
-        return LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None)
+        step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None)
+        if result is not None:
+            step.auto = result  # the solver's choice: .to_rules_yaml(), .comparison_table(...)
+        return step
 
     def __call__(self, *args):
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=False)

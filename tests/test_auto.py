@@ -401,3 +401,30 @@ def test_llama_tiny_auto_layout_matches_one_device():
         for got, want in zip(tree_leaves(out["params"]), tree_leaves(ref_params)):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-6)
         assert out["comm"] == out["estimated"] and any(r["axis"] == "tp" for r in out["comm"])
+
+
+def test_auto_keeps_every_other_option_of_sf_jit(clean_process_group, monkeypatch):
+    """``in_specs=sf.AUTO`` chooses the specs and nothing else: the passes at every point, bucketing
+    and the stored (fsdp) arguments apply as they do with specs written by hand."""
+    from shardfn.partition import api
+
+    ran, bucketed = [], []
+
+    def noting(point):
+        def note(gm):
+            ran.append(point)
+            return gm
+        return note
+
+    def bucket(gm, nbytes):
+        bucketed.append(nbytes)
+        return gm
+
+    monkeypatch.setattr(api, "bucket_collectives", bucket)
+    p, x = mlp_args(256, 1024, tokens=64)
+    step = sf.jit(mlp_step, sf.Mesh({"dp": 2, "tp": 2}, fake=True), in_specs=sf.AUTO, fsdp_argnums=(0,),
+                  passes={point: [noting(point)] for point in api.PASS_POINTS}, bucket_bytes=1 << 20, backend=None)
+    lowered = step.lower(p, x)
+    assert ran == list(api.PASS_POINTS)
+    assert bucketed == [1 << 20]
+    assert lowered.auto.in_specs is not None and lowered.memory_report()["grads"] > 0
