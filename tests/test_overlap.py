@@ -280,11 +280,18 @@ def _order_of_exchange_and_shared():
             return out
         return out[0], _RecordedWait(out[1], events)
 
+    swiglu_backward = moe_dispatch._swiglu_backward
+
     def recorded_swiglu(*args):
         events.append("shared")
         return swiglu(*args)
 
+    def recorded_swiglu_backward(*args):
+        events.append("shared")
+        return swiglu_backward(*args)
+
     moe_dispatch._a2a, moe_dispatch._swiglu = recorded_a2a, recorded_swiglu
+    moe_dispatch._swiglu_backward = recorded_swiglu_backward
     return events
 
 
