@@ -173,13 +173,12 @@ class _GroupedMMNow(torch.autograd.Function):
     :func:`grouped_mm` takes when nothing traces it (``core.transforms.eager``)."""
 
     @staticmethod
-    def forward(x, w, offs):
+    def forward(ctx, x, w, offs):  # ctx here, no setup_context: apply then binds no signature per call
+        ctx.save_for_backward(x, w, offs)
         if profiler_enabled():
             with torch.profiler.record_function("shardfn.grouped_mm"):
                 return grouped_mm_now(x, w, offs)
         return grouped_mm_now(x, w, offs)
-
-    setup_context = _GroupedMM.setup_context
 
     @staticmethod
     def backward(ctx, grad):
