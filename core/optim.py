@@ -29,6 +29,12 @@ ops in the same order as the eager form (``v`` as ``addcmul``, the decay as ``ad
 alpha=wd)``, one rounding each as in ``torch.optim``), so the two agree bit for bit; they differ
 only in the clipping norm, taken traced as ``sqrt(sum(x ** 2))`` (a sum the partitioner can
 reduce over the mesh) and eagerly as the norm of the leaves' norms (as ``clip_grad_norm_``).
+
+A train step calls :func:`update_and_apply`: eagerly, AdamW (masked or not, last in a chain)
+then writes the new parameters as ``torch.optim.AdamW(foreach=True)`` does, ``p * (1 - lr *
+wd)`` and one ``addcdiv``, with no update tree in between and the frozen leaves in no kernel
+(equal to ``update`` then ``apply_updates`` up to float rounding; the moments to the bit).
+Traced, it is exactly that pair.
 """
 
 from __future__ import annotations
