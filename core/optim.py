@@ -261,10 +261,11 @@ def update_and_apply(opt: GradientTransformation, updates: PyTree, state: Any, p
     Example:
         params, state = update_and_apply(adamw(1e-3), grads, state, params)
     """
-    fused = _FUSED.get(opt.update)
-    out = fused(updates, state, params) if fused is not None else None
-    if out is not None:
-        return out
+    if eager():  # a look-up torch.compile need not trace: traced, it is the pair below
+        fused = _FUSED.get(opt.update)
+        out = fused(updates, state, params) if fused is not None else None
+        if out is not None:
+            return out
     updates, state = opt.update(updates, state, params)
     return apply_updates(params, updates), state
 
