@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grouped_mm", "alignment"]
+from shardfn.core._torch_private import profiler_enabled
+from shardfn.core.transforms import eager
+
+__all__ = ["grouped_mm", "grouped_mm_now", "alignment"]
 
 
 def alignment(dtype: torch.dtype) -> int:
@@ -35,7 +38,13 @@ def alignment(dtype: torch.dtype) -> int:
         alignment(torch.float32)   # 4
         alignment(torch.bfloat16)  # 8
     """
-    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    a = _ALIGNMENT.get(dtype)
+    if a is None:
+        a = _ALIGNMENT[dtype] = max(1, 16 // torch.empty((), dtype=dtype).element_size())
+    return a
+
+
+_ALIGNMENT: dict = {}
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -74,7 +83,21 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
         if size % a:
             raise ValueError(f"grouped_mm: {name} = {size} must be a multiple of {a} for {x.dtype} (16-byte "
                              f"alignment of the grouped GEMM); pad the expert dims, e.g. to {size + (-size) % a}")
+    if eager():  # plain autograd on plain tensors: the kernel itself, with no op dispatch around it
+        return _GroupedMMNow.apply(x, w, offs)
     return _GroupedMM.apply(x, w, offs)
+
+
+def grouped_mm_now(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """:func:`grouped_mm`'s kernel called directly, in either form, with no checks, autograd or
+    op dispatch around it: for code that runs eagerly where nothing records it (the body of an
+    opaque op such as the expert-parallel exchange, which writes its own backward). Same
+    shapes and alignment as :func:`grouped_mm`; the caller has checked them.
+
+        out = grouped_mm_now(xs, w1, offs)          # [R, D] x [E, D, F] -> [R, F]
+        dw1 = grouped_mm_now(xs.t(), d_h1, offs)    # [D, R] x [R, F] -> [E, D, F]
+    """
+    return torch._grouped_mm(_aligned(x), _aligned(w), offs=offs)
 
 
 # ----------------------------------------------------------------------------- the op
@@ -144,3 +167,35 @@ class _GroupedMM(torch.autograd.Function):
 
 
 _grouped_mm_op.register_autograd(_GroupedMM.backward, setup_context=_GroupedMM.setup_context)
+
+
+class _GroupedMMNow(torch.autograd.Function):
+    """:class:`_GroupedMM` run eagerly: the kernel called directly (no custom-op dispatch, no
+    profiler scope unless a profiler records), the same backward formulas. What
+    :func:`grouped_mm` takes when nothing traces it (``core.transforms.eager``)."""
+
+    @staticmethod
+    def forward(ctx, x, w, offs):  # ctx here, no setup_context: apply then binds no signature per call
+        ctx.save_for_backward(x, w, offs)
+        if profiler_enabled():
+            with torch.profiler.record_function("shardfn.grouped_mm"):
+                return grouped_mm_now(x, w, offs)
+        return grouped_mm_now(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()  # the kernel rejects expanded (stride-0) cotangents
+        op = _GroupedMMNow.apply  # differentiable again (create_graph), a plain call otherwise
+        dx = dw = None
+        if w.dim() == 3:
+            if ctx.needs_input_grad[0]:
+                dx = op(grad, w.transpose(1, 2), offs)
+            if ctx.needs_input_grad[1]:
+                dw = op(x.t(), grad, offs)
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = op(w, grad.transpose(1, 2), offs).t()
+            if ctx.needs_input_grad[1]:
+                dw = op(x.t(), grad, offs)
+        return dx, dw, None

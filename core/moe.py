@@ -29,10 +29,9 @@ from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from shardfn.core.grouped_mm import grouped_mm
-from shardfn.core.layers import swiglu
+from shardfn.core.layers import scope, swiglu
 
 __all__ = [
     "Routing", "Dispatch", "router_scores", "route", "expert_counts", "tokens_per_expert", "dispatch", "expert_compute",
@@ -102,7 +101,7 @@ def route(x: torch.Tensor, w_router: torch.Tensor, bias: torch.Tensor | None, cf
         r = route(torch.randn(16, 64), torch.randn(64, 8), torch.zeros(8), cfg)
         r.indices.shape, r.weights.shape  # (torch.Size([16, 2]), torch.Size([16, 2]))
     """
-    with record_function("shardfn.moe.route"):
+    with scope("shardfn.moe.route"):
         scores = router_scores(x @ w_router, cfg.score_func)                  # [T, E]
         select = scores if bias is None else scores + bias.float()
         if cfg.n_groups > 1:
@@ -154,7 +153,7 @@ def dispatch(x: torch.Tensor, indices: torch.Tensor, n_experts: int) -> tuple[to
     Example:
         x_sorted, d = dispatch(x, routing.indices, 8)
     """
-    with record_function("shardfn.moe.dispatch"):
+    with scope("shardfn.moe.dispatch"):
         k = indices.shape[1]
         flat = indices.reshape(-1)                                             # [T*k]
         order = torch.argsort(flat, stable=True)                               # [T*k]
@@ -178,7 +177,7 @@ def expert_compute(x_sorted: torch.Tensor, counts: torch.Tensor, w1: torch.Tenso
     Example:
         y = expert_compute(torch.randn(6, 16), torch.tensor([4, 0, 2]), w1, w2, w3)  # [6, 16]
     """
-    with record_function("shardfn.moe.experts"):
+    with scope("shardfn.moe.experts"):
         offs = torch.cumsum(counts, 0).to(torch.int32)                         # [E] group ends
         h = F.silu(grouped_mm(x_sorted, w1, offs)) * grouped_mm(x_sorted, w3, offs)  # [R, F]
         return grouped_mm(h, w2, offs)                                         # [R, D]
@@ -198,7 +197,7 @@ def combine(y_sorted: torch.Tensor, d: Dispatch, weights: torch.Tensor) -> torch
     Example:
         y = combine(expert_compute(x_sorted, d.counts, w1, w2, w3), d, routing.weights)
     """
-    with record_function("shardfn.moe.combine"):
+    with scope("shardfn.moe.combine"):
         t = weights.shape[0]
         w_sorted = weights.reshape(-1)[d.order].unsqueeze(-1)                  # [T*k, 1]
         out = y_sorted.new_zeros((t, y_sorted.shape[1]))
@@ -293,7 +292,7 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
         y, aux = moe_layer(p, torch.randn(2, 16, 64), cfg)
     """
     b, s, dim = x.shape
-    with record_function("shardfn.moe"):
+    with scope("shardfn.moe"):
         flat = x.reshape(b * s, dim)                                           # [T, D]
         r = route(flat, p["router"], p.get("router_bias"), cfg)
         e = p["experts"]

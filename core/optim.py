@@ -29,11 +29,18 @@ ops in the same order as the eager form (``v`` as ``addcmul``, the decay as ``ad
 alpha=wd)``, one rounding each as in ``torch.optim``), so the two agree bit for bit; they differ
 only in the clipping norm, taken traced as ``sqrt(sum(x ** 2))`` (a sum the partitioner can
 reduce over the mesh) and eagerly as the norm of the leaves' norms (as ``clip_grad_norm_``).
+
+A train step calls :func:`update_and_apply`: eagerly, AdamW (masked or not, last in a chain)
+then writes the new parameters as ``torch.optim.AdamW(foreach=True)`` does, ``p * (1 - lr *
+wd)`` and one ``addcdiv``, with no update tree in between and the frozen leaves in no kernel
+(equal to ``update`` then ``apply_updates`` up to float rounding; the moments to the bit).
+Traced, it is exactly that pair.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, NamedTuple, Union
 
 import optree
@@ -235,6 +242,34 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, min_ratio: f
 # ----------------------------------------------------------------------------- transforms
 
 
+_FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+"""``transform.update -> fused(updates, state, params)``: the transforms whose update and
+:func:`apply_updates` have a fused eager form (see :func:`update_and_apply`)."""
+
+
+def update_and_apply(opt: GradientTransformation, updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+    """``(apply_updates(params, u), state)`` for ``u, state = opt.update(updates, state, params)``.
+
+    Eagerly, on plain tensors of one dtype and device, a transform that has a fused form
+    (:func:`adamw`, masked or not, last in a :func:`chain`) computes the new parameters as
+    ``torch.optim.AdamW(foreach=True)`` does: ``p * (1 - lr * wd)``, then one ``addcdiv`` of
+    the moments, with no update tree in between (two passes over the parameters and two
+    parameter-sized tensors fewer), and with a mask, the frozen leaves never enter a kernel.
+    Its values are ``torch.optim``'s and may differ from ``update`` then ``apply_updates`` in
+    the last bit. Traced, on DTensors, or for any other transform: exactly that pair.
+
+    Example:
+        params, state = update_and_apply(adamw(1e-3), grads, state, params)
+    """
+    if eager():  # a look-up torch.compile need not trace: traced, it is the pair below
+        fused = _FUSED.get(opt.update)
+        out = fused(updates, state, params) if fused is not None else None
+        if out is not None:
+            return out
+    updates, state = opt.update(updates, state, params)
+    return apply_updates(params, updates), state
+
+
 def _check_adam_state(state, who: str) -> None:
     if not isinstance(state, ScaleByAdamState):
         raise TypeError(f"{who} got state {type(state).__name__}; make sure you passed "
@@ -404,7 +439,20 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    def fused(updates, state, params):
+        if not isinstance(state, tuple) or len(state) != len(transforms) or _FUSED.get(transforms[-1].update) is None:
+            return None
+        new_states = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            updates, s = t.update(updates, s, params)
+            new_states.append(s)
+        params, s = update_and_apply(transforms[-1], updates, state[-1], params)
+        return params, tuple(new_states) + (s,)
+
+    chained = GradientTransformation(init, update)
+    if transforms and transforms[-1].update in _FUSED:
+        _FUSED[chained.update] = fused
+    return chained
 
 
 def masked(inner: GradientTransformation, mask: MaskOrFn) -> GradientTransformation:
@@ -482,7 +530,70 @@ def adamw(
         updates, state = opt.update(grads, opt.init(params), params)
     """
     opt = _adamw(lr, b1, b2, eps, weight_decay)
-    return opt if mask is None else masked(opt, mask)
+    if mask is None:
+        return opt
+    out = masked(opt, mask)
+    _FUSED[out.update] = _adamw_fused(lr, b1, b2, eps, weight_decay, mask)
+    return out
+
+
+def _adamw_fused(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_decay: float,
+                 mask: MaskOrFn = None) -> Callable:
+    """AdamW's update and :func:`apply_updates` as one eager ``foreach`` pass, written as
+    ``torch.optim.AdamW(foreach=True)`` writes it (:func:`update_and_apply`). Leaves ``mask``
+    turns off are left out of every kernel: their parameters and moments come back as they
+    went in. None where it does not apply (the caller then runs the update and applies it)."""
+    keeps: dict = {}
+
+    def keep_of(params, treedef):
+        if mask is None:
+            return None
+        if treedef not in keeps:  # static: resolved once per tree structure
+            m = mask(params) if callable(mask) else mask
+            leaves = tree_leaves(optree.tree_broadcast_prefix(m, params, none_is_leaf=False))
+            keeps[treedef] = leaves if all(isinstance(k, bool) for k in leaves) else False  # masked() explains
+        return keeps[treedef]
+
+    def fused(updates, state, params):
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], ScaleByAdamState)):
+            return None
+        adam_state, decay_state, lr_state = state
+        mu, treedef = tree_flatten(adam_state.mu)
+        p, _ = tree_flatten(params)
+        g, gdef = tree_flatten(updates)
+        nu, ndef = tree_flatten(adam_state.nu)
+        if gdef != treedef or ndef != treedef or len(p) != len(mu):
+            return None
+        keep = keep_of(params, treedef)
+        if keep is False:
+            return None
+        idx = [i for i, k in enumerate(keep) if k] if keep is not None else list(range(len(p)))
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        p_k, g_k, mu_k, nu_k = pick(p), pick(g), pick(mu), pick(nu)
+        if not idx or not _foreach(p_k, g_k, mu_k, nu_k):
+            return None
+        count = adam_state.count + 1
+        step_lr = _lr_at(lr, lr_state.count)
+        dtype = p_k[0].dtype
+        mu_k = torch._foreach_lerp(mu_k, g_k, 1.0 - b1)                           # m <- b1 m + (1 - b1) g
+        nu_k = torch._foreach_mul(nu_k, b2)
+        torch._foreach_addcmul_(nu_k, g_k, g_k, value=1.0 - b2)                  # v <- b2 v + (1 - b2) g^2
+        denom = torch._foreach_sqrt(nu_k)
+        torch._foreach_div_(denom, torch.sqrt(_one_minus_pow(b2, count)).to(dtype))
+        torch._foreach_add_(denom, eps)                                           # sqrt(v) / sqrt(1 - b2^t) + eps
+        new_p = torch._foreach_mul(p_k, (1.0 - step_lr * weight_decay).to(dtype))  # decoupled decay
+        step = (-step_lr / _one_minus_pow(b1, count)).to(dtype)
+        # - lr / (1 - b1^t) * m / denom; the kernel reads its scalars on the host, as torch.optim's
+        # non-capturable AdamW computes them there (on a GPU, one copy of a 0-d tensor a step)
+        torch._foreach_addcdiv_(new_p, mu_k, denom, step.cpu().repeat(len(idx)))
+        p, mu, nu = list(p), list(mu), list(nu)
+        for j, i in enumerate(idx):
+            p[i], mu[i], nu[i] = new_p[j], mu_k[j], nu_k[j]
+        state = (ScaleByAdamState(count, tree_unflatten(treedef, mu), tree_unflatten(treedef, nu)), decay_state,
+                 ScaleByLearningRateState(lr_state.count + 1, step_lr))
+        return tree_unflatten(treedef, p), state
+
+    return fused
 
 
 def _adamw(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_decay: float) -> GradientTransformation:
@@ -518,7 +629,9 @@ def _adamw(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_decay:
         out = eager_update(updates, state, params)
         return chained.update(updates, state, params) if out is None else out
 
-    return GradientTransformation(chained.init, update)
+    opt = GradientTransformation(chained.init, update)
+    _FUSED[opt.update] = _adamw_fused(lr, b1, b2, eps, weight_decay)
+    return opt
 
 
 def adam(lr: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:

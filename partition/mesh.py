@@ -67,6 +67,8 @@ class Mesh:
         dims = tuple(a for a, s in axes.items() if s > 1) or (next(iter(axes)),)
         object.__setattr__(self, "dims", dims)
         dm = init_device_mesh(device, tuple(axes[a] for a in dims), mesh_dim_names=dims)
+        if not self.fake and len(dims) == 1 and (gloo_worker_threads(dm.get_group(dims[0])) or 1) > 1:
+            dm = _own_world_group(device, dims)
         object.__setattr__(self, "device_mesh", dm)
         if not self.fake:  # DTensor's cached decisions name the groups of an equal, older mesh
             from shardfn.core._torch_private import clear_sharding_cache
@@ -212,6 +214,19 @@ def local_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", local_device_index())
     return device
+
+
+def _own_world_group(device: str, dims: tuple[str, ...]):
+    """A one-dim device mesh over every rank on a gloo group of its own, made with one worker
+    thread. ``init_device_mesh`` hands a mesh over the whole world the default group itself;
+    one the user made (``init_process_group("gloo")`` before the mesh, as under torchrun) runs
+    on gloo's two worker threads, where collectives in flight together corrupted memory, so the
+    overlap pass would have to stay off. Subgroups of a several-dim mesh are made after
+    :func:`one_gloo_worker_thread` and need none of this."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group(list(range(dist.get_world_size())))  # the default group's backends
+    return DeviceMesh.from_group(group, device, mesh_dim_names=dims)
 
 
 _FAKE: dict = {"world": None, "meshes": {}}

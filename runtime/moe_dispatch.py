@@ -13,7 +13,11 @@ it, and it
 
 Its backward (another op) sends output cotangents the same way and input cotangents back: two
 token all-to-alls each way. What the backward needs is kept in this process between the two
-ops, keyed by a handle tensor that the forward returns, so nothing is exchanged twice. The
+ops, keyed by a handle tensor that the forward returns, so nothing is exchanged twice: the
+experts' inputs and their two pre-activations (``xs @ w1``, ``xs @ w3``; the shared experts'
+likewise), so the backward runs none of the forward's GEMMs again, as autograd would not. Its
+bytes are in the program's ``memory_report``: the handle the forward returns and the backward
+takes is a stand-in of that size (:func:`kept_bytes`). The
 shared experts are computed while the first exchange is in flight (``async_op=True``). Every
 wait on an exchange is a ``runtime.interleave.handoff``: in DualPipeV's overlapped pairs the
 other member of the pair computes while it is in flight.
@@ -38,9 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardfn.core.grouped_mm import grouped_mm
+from shardfn.core.grouped_mm import grouped_mm_now
 from shardfn.core.registry import Registry
-from shardfn.core.transforms import autograd_vjp
 from shardfn.runtime.interleave import handoff
 
 
@@ -56,6 +59,8 @@ class _Saved:
     perm: torch.Tensor         # [R] received row -> expert-major row
     offs: torch.Tensor         # [E_local] int32 cumulative rows per local expert
     xs: torch.Tensor           # [R, D] expert inputs, expert-major
+    h1: torch.Tensor           # [R, F] xs @ w1 per expert (before the SiLU)
+    h3: torch.Tensor           # [R, F] xs @ w3 per expert
     y_assign: torch.Tensor     # [t * k, D] expert output per assignment (0 where dropped)
 
 
@@ -69,6 +74,8 @@ class _Layer:
     group: object
     layer: int
     x: torch.Tensor | None = None   # [T, D] kept for the shared experts' backward
+    a1: torch.Tensor | None = None  # [T, Hs] x @ s1 (before the SiLU)
+    a3: torch.Tensor | None = None  # [T, Hs] x @ s3
 
 
 class Exchange:
@@ -122,12 +129,43 @@ _exchanges = Registry("expert exchange")
 
 
 def _swiglu(x, w1, w2, w3):
-    return (F.silu(x @ w1) * (x @ w3)) @ w2
+    """The shared experts' SwiGLU: ``(y [T, D], a1, a3)``, the pre-activations kept for the backward."""
+    a1, a3 = x @ w1, x @ w3                                  # [T, Hs]
+    return (F.silu(a1) * a3) @ w2, a1, a3
+
+
+def _silu_mul_backward(dh, h1, h3):
+    """``(silu(h1) * h3, dh1, dh3)``: the product again and the cotangents of its factors for
+    ``dh``, with autograd's own kernels (``mul``'s backward, ``silu_backward``), so the result
+    is bitwise what autograd gives."""
+    s = F.silu(h1)
+    return s * h3, torch.ops.aten.silu_backward(dh * h3, h1), dh * s
+
+
+def _swiglu_backward(g, x, a1, a3, w1, w2, w3):
+    """``(dx, dw1, dw2, dw3)`` of :func:`_swiglu` for ``g [T, D]`` from what its forward kept
+    (``x``, ``a1``, ``a3``): no matmul of the forward again. Bitwise autograd's."""
+    dh = g @ w2.t()                                          # [T, Hs]
+    h, da1, da3 = _silu_mul_backward(dh, a1, a3)
+    return da1 @ w1.t() + da3 @ w3.t(), x.t() @ da1, h.t() @ g, x.t() @ da3
 
 
 def _expert_ffn(xs, offs, w1, w2, w3):
-    h = F.silu(grouped_mm(xs, w1, offs)) * grouped_mm(xs, w3, offs)  # [R, F]
-    return grouped_mm(h, w2, offs)                                     # [R, D]
+    """The local experts on their expert-major rows ``xs [R, D]``: ``(out [R, D], h1, h3)``, the
+    pre-activations ``[R, F]`` kept for :func:`_expert_ffn_backward`."""
+    h1, h3 = grouped_mm_now(xs, w1, offs), grouped_mm_now(xs, w3, offs)
+    return grouped_mm_now(F.silu(h1) * h3, w2, offs), h1, h3
+
+
+def _expert_ffn_backward(d_out, xs, h1, h3, offs, w1, w2, w3):
+    """``(dxs, dw1, dw2, dw3)`` of :func:`_expert_ffn` from what its forward kept: six grouped
+    GEMMs (the hidden cotangent, two for the input, three for the weights), none of the
+    forward's again; ``core.grouped_mm``'s backward formulas, so bitwise autograd's."""
+    dh = grouped_mm_now(d_out, w2.transpose(1, 2), offs)                # [R, F]
+    h, dh1, dh3 = _silu_mul_backward(dh, h1, h3)
+    dxs = grouped_mm_now(dh1, w1.transpose(1, 2), offs) + grouped_mm_now(dh3, w3.transpose(1, 2), offs)
+    dw1, dw2, dw3 = (grouped_mm_now(a.t(), b, offs) for a, b in ((xs, dh1), (h, d_out), (xs, dh3)))
+    return dxs, dw1, dw2, dw3                                           # [R, D], [E, D, F], [E, F, D], [E, D, F]
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *, async_op=False):
@@ -204,7 +242,7 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
                          dropped=d)
     pending = [_a2a(send, out_splits, in_splits, group, async_op=True)
                for rows, order, tok, send, in_splits, out_splits, recv_counts in parts]
-    y_shared = _swiglu(x, *shared) if shared is not None else None  # overlaps the exchange
+    y_shared, a1, a3 = _swiglu(x, *shared) if shared is not None else (None, None, None)  # overlaps the exchange
     combines, saved = [], []
     for (rows, order, tok, send, in_splits, out_splits, recv_counts), (recv, work) in zip(parts, pending):
         _wait(work)
@@ -212,12 +250,12 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
         perm = torch.argsort(expert_of_row, stable=True)         # received -> expert-major
         offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
         xs = recv[perm]
-        out = _expert_ffn(xs, offs, w1, w2, w3)                  # overlaps the earlier chunks' combines
+        out, h1, h3 = _expert_ffn(xs, offs, w1, w2, w3)          # overlaps the earlier chunks' combines
         back_src = torch.empty_like(out)
         back_src[perm] = out
         exchange._record(layer, "combine", back_src, out_splits, me, group)
         combines.append(_a2a(back_src, in_splits, out_splits, group, async_op=True))
-        saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs])
+        saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs, h1, h3])
     y_assign = x.new_zeros((T * k, D))
     for (back, work), (rows, tok, order, *rest) in zip(combines, saved):
         _wait(work)
@@ -226,10 +264,11 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
     if y_shared is not None:
         y = y + y_shared
-    chunk_saved = [_Saved(rows, tok, order, in_splits, out_splits, perm, offs, xs,
+    chunk_saved = [_Saved(rows, tok, order, in_splits, out_splits, perm, offs, xs, h1, h3,
                           y_assign[rows.start * k:rows.stop * k])
-                   for rows, tok, order, in_splits, out_splits, perm, offs, xs in saved]
-    handle = exchange.keep(_Layer((T, D), chunk_saved, weights, group, layer, x if shared is not None else None))
+                   for rows, tok, order, in_splits, out_splits, perm, offs, xs, h1, h3 in saved]
+    handle = exchange.keep(_Layer((T, D), chunk_saved, weights, group, layer, x if shared is not None else None,
+                                  a1, a3))
     return y, handle, dropped
 
 
@@ -251,12 +290,12 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
         pending.append(_a2a(d_send, c.out_splits, c.in_splits, s.group, async_op=True))
     shared_grads = None
     if shared is not None:  # overlaps the exchange
-        shared_grads = autograd_vjp(_swiglu, (s.x, *shared), grad_y)
+        shared_grads = _swiglu_backward(grad_y, s.x, s.a1, s.a3, *shared)
     dw, combines = None, []
     for c, (d_recv, work) in zip(s.chunks, pending):
         _wait(work)
         d_out = d_recv[c.perm]
-        dxs, *dw_c = autograd_vjp(lambda xs, a, b, w: _expert_ffn(xs, c.offs, a, b, w), (c.xs, w1, w2, w3), d_out)
+        dxs, *dw_c = _expert_ffn_backward(d_out, c.xs, c.h1, c.h3, c.offs, w1, w2, w3)
         dw = dw_c if dw is None else [a + b for a, b in zip(dw, dw_c)]
         d_back = torch.empty_like(dxs)
         d_back[c.perm] = dxs
@@ -286,12 +325,40 @@ def _ep_experts(
     shared = (s1, s2, s3) if s1 is not None else None
     y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor, shared,
                                     exchange=_exchanges[exchange], chunks=chunks)
-    return [y, torch.tensor([handle, dropped], dtype=torch.int64)]
+    return [y, _handle_tensor(handle, x, idx, w1, s1)]
 
 
 @_ep_experts.register_fake
 def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange, chunks=1):
-    return [torch.empty_like(x), torch.empty(2, dtype=torch.int64)]
+    return [torch.empty_like(x), _handle_tensor(0, x, idx, w1, s1)]
+
+
+def kept_bytes(x, idx, w1, shared_w1=None) -> int:
+    """Bytes one rank's exchange keeps from its forward for its backward (shapes or tensors:
+    ``x [T, D]``, ``idx [T, k]``, ``w1 [E_local, D, F]``, ``shared_w1 [D, Hs]``), as if its
+    experts received an even share of the assignments (``T * k`` rows, dropless): the experts'
+    inputs and per-assignment outputs ``[T*k, D]`` each, their pre-activations ``[T*k, F]`` two,
+    the routing's three int64 indices per row, and with shared experts their input ``[T, D]``
+    and pre-activations ``[T, Hs]`` two.
+
+        kept_bytes((512, 256), (512, 2), (4, 256, 256), (256, 256))   # 512 * (2*(2*256 + 2*256) + 3*2 + 768)
+    """
+    shape = lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)  # noqa: E731
+    (T, D), (_, k), F_ = shape(x), shape(idx), shape(w1)[2]
+    size = x.element_size() if isinstance(x, torch.Tensor) else 4
+    kept = T * k * (2 * D + 2 * F_) * size + T * k * 3 * 8
+    if shared_w1 is not None:
+        kept += T * (D + 2 * shape(shared_w1)[1]) * size
+    return kept
+
+
+def _handle_tensor(handle: int, x, idx, w1, s1) -> torch.Tensor:
+    """The forward's second output: its handle, as an int64 tensor of :func:`kept_bytes` (one
+    element stored, the rest a stride-0 view of it). The backward takes it, so the program holds
+    it from forward to backward, and ``memory_report`` counts those bytes where the exchange
+    keeps them in this process."""
+    n = max(1, -(-kept_bytes(x, idx, w1, s1) // 8))
+    return torch.full((1,), handle, dtype=torch.int64, device=x.device).expand(n)
 
 
 @torch.library.custom_op("shardfn::ep_experts_backward", mutates_args=())

@@ -151,7 +151,7 @@ def overlaps(cfg, mesh=None) -> bool:
     or where it is null, whether parameters are stored sharded (``mesh.fsdp > 1``): the FSDP
     gathers it prefetches are where it was measured to pay (docs/passes.md). A null also leaves
     the pass off, with a warning, on a ``mesh`` whose gloo groups run on more than one worker
-    thread (a process group made before the mesh), which the pass is not safe on.
+    thread, which the pass is not safe on (a ``Mesh`` makes its own groups with one: partition/mesh.py).
 
         overlaps(load_config("llama_tiny", ["mesh.fsdp=2"]))   # True
     """

@@ -117,8 +117,7 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
 
     @region
     def update(grads, opt_state, params):  # one compiled region under train.compile=true
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optim.apply_updates(params, updates), opt_state
+        return optim.update_and_apply(optimizer, grads, opt_state, params)  # fused eagerly where it can be
 
     def train_step(params, opt_state, batch):
         before = (params, opt_state)

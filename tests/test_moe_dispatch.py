@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
-from shardfn.core.transforms import autograd_vjp
 from shardfn.runtime import moe_dispatch
 from shardfn.runtime.launch import spawn
 
@@ -221,24 +220,83 @@ def test_chunked_exchange_matches_the_reference_and_moves_the_same_bytes():
         assert [r["assignments"] for r in three["stats"][:3]] == [4 * K] * 3
 
 
-@torch.library.custom_op("shardfn_test::swiglu_vjp", mutates_args=())
-def _swiglu_vjp_in_custom_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                             dy: torch.Tensor) -> list[torch.Tensor]:
-    return [g.clone() for g in autograd_vjp(moe_dispatch._swiglu, (x, w1, w2, w3), dy)]
+@torch.library.custom_op("shardfn_test::swiglu_backward", mutates_args=())
+def _swiglu_backward_in_custom_op(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                                  dy: torch.Tensor) -> list[torch.Tensor]:
+    _, a1, a3 = moe_dispatch._swiglu(x, w1, w2, w3)
+    return [g.clone() for g in moe_dispatch._swiglu_backward(dy, x, a1, a3, w1, w2, w3)]
 
 
-def test_exchange_backward_takes_autograds_own_kernels():
-    # the exchange's custom op computes the shared experts' backward (core.transforms.autograd_vjp):
-    # bit for bit what plain autograd gives (the step's traced backward, when the shared experts
-    # follow the exchange); torch.func.vjp's silu backward rounds differently
+def _shared_swiglu(x, w1, w2, w3):
+    return moe_dispatch._swiglu(x, w1, w2, w3)[0]
+
+
+def test_exchange_backward_is_autograds_own_from_what_the_forward_kept():
+    # the exchange's custom op computes the shared experts' backward from the pre-activations its
+    # forward kept: bit for bit what plain autograd gives (the step's traced backward, when the
+    # shared experts follow the exchange), with no matmul of the forward again
     g = torch.Generator().manual_seed(1)
     x, dy = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
     w1, w3, w2 = torch.randn(D, H, generator=g), torch.randn(D, H, generator=g), torch.randn(H, D, generator=g)
     leaves = [t.detach().requires_grad_() for t in (x, w1, w2, w3)]
-    want = torch.autograd.grad(moe_dispatch._swiglu(*leaves), leaves, dy)
-    got = _swiglu_vjp_in_custom_op(x, w1, w2, w3, dy)
+    want = torch.autograd.grad(_shared_swiglu(*leaves), leaves, dy)
+    got = _swiglu_backward_in_custom_op(x, w1, w2, w3, dy)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    # outputs: a sequence, one cotangent each; an integer output and an unused primal are skipped
-    dx, dw = autograd_vjp(lambda x, w: [x.argmax(-1), x @ w1, x.sum()], (x, w2),
-                          [None, torch.ones(T, H), torch.tensor(2.0)])
-    assert torch.equal(dx, torch.ones(T, H) @ w1.t() + 2) and torch.equal(dw, torch.zeros_like(w2))
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        _, a1, a3 = moe_dispatch._swiglu(x, w1, w2, w3)
+        moe_dispatch._swiglu_backward(dy, x, a1, a3, w1, w2, w3)
+    assert counter.get_flop_counts()["Global"][torch.ops.aten.mm] == 3 * 2 * T * D * H * 3  # 3 forward, 6 backward
+
+
+def test_routed_experts_backward_is_autograds_from_what_the_forward_kept():
+    # the local experts' backward (grouped GEMMs) from xs and the two pre-activations: autograd's
+    # gradients through core.grouped_mm, bit for bit, with none of the forward's grouped GEMMs again
+    from shardfn.core.grouped_mm import grouped_mm
+
+    g = torch.Generator().manual_seed(2)
+    counts = torch.tensor([5, 0, 9, 10])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs, d_out = torch.randn(24, D, generator=g), torch.randn(24, D, generator=g)
+    w1, w3, w2 = (torch.randn(4, D, H, generator=g), torch.randn(4, D, H, generator=g),
+                  torch.randn(4, H, D, generator=g))
+    leaves = [t.detach().requires_grad_() for t in (xs, w1, w2, w3)]
+    a, b, c = leaves[1:]
+    out = grouped_mm(F.silu(grouped_mm(leaves[0], a, offs)) * grouped_mm(leaves[0], c, offs), b, offs)
+    want = torch.autograd.grad(out, leaves, d_out)
+    y, h1, h3 = moe_dispatch._expert_ffn(xs, offs, w1, w2, w3)
+    assert torch.equal(y, out.detach())
+    calls = []
+    real = moe_dispatch.grouped_mm_now
+    moe_dispatch.grouped_mm_now = lambda *args: calls.append(1) or real(*args)
+    try:
+        got = moe_dispatch._expert_ffn_backward(d_out, xs, h1, h3, offs, w1, w2, w3)
+    finally:
+        moe_dispatch.grouped_mm_now = real
+    assert len(calls) == 6  # two per forward GEMM, as autograd's; the forward's three not again
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_what_the_exchange_keeps_for_its_backward_is_in_memory_report(clean_process_group, monkeypatch):
+    # the ep2 program's forward hands each MoE layer's handle to its backward as a stand-in of
+    # the bytes the exchange keeps (expert inputs, pre-activations, outputs, shared experts')
+    from shardfn.config import load_config
+    from shardfn.plan.profile import lower_step
+
+    def lowered():
+        return lower_step(load_config("moe_tiny", ["train.batch_size=8", "train.seq_len=32", "mesh.ep=2"]))
+
+    low = lowered()
+    forward = [n for n in low.graph_module.graph.nodes
+               if n.op == "call_function" and n.target is torch.ops.shardfn.ep_experts.default]
+    assert len(forward) == 2  # moe_tiny's two MoE layers
+    x, idx, _, w1, _, _, s1 = (a.meta["val"] for a in forward[0].args[:7])
+    assert tuple(x.shape) == (128, 64) and tuple(w1.shape) == (4, 64, 32) and tuple(s1.shape) == (64, 32)
+    kept = moe_dispatch.kept_bytes(x, idx, w1, s1)
+    assert kept == 128 * 2 * (2 * 64 + 2 * 32) * 4 + 128 * 2 * 3 * 8 + 128 * (64 + 2 * 32) * 4
+    handle = next(u for u in forward[0].users if u.args[1] == 1).meta["val"]
+    assert handle.numel() * 8 == kept and handle.stride() == (0,)
+    with_kept = low.memory_report()["activations"]
+    monkeypatch.setattr(moe_dispatch, "kept_bytes", lambda *a: 8)
+    assert with_kept - lowered().memory_report()["activations"] >= 2 * (kept - 8)

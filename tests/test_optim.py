@@ -371,3 +371,52 @@ def test_value_and_grad_takes_plain_autograd_eagerly_and_composes_under_transfor
     w = params["bias"].clone().requires_grad_(True)
     (g,) = torch.autograd.grad(value_and_grad(lambda w: (w ** 3).sum())(w)[1].sum(), [w])
     torch.testing.assert_close(g, 6 * w.detach())
+
+
+def _moe_like_tree(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(4, 8, generator=g), "experts": torch.randn(3, 8, 4, generator=g),
+            "router_bias": torch.randn(3, generator=g), "norm": torch.randn(8, generator=g)}
+
+
+def test_fused_adamw_is_the_update_applied_and_leaves_masked_leaves_alone():
+    # update_and_apply: eagerly, the clipped, masked AdamW chain computes the new parameters as
+    # torch.optim.AdamW(foreach=True) writes them (decay, then one addcdiv): the update then
+    # apply_updates to float rounding, the same state to the bit, every frozen leaf untouched
+    from shardfn.core.optim import update_and_apply
+
+    params = _moe_like_tree()
+    mask = {"w": True, "experts": True, "router_bias": False, "norm": True}
+    opt = optim.chain(optim.clip_by_global_norm(1.0),
+                      optim.adamw(optim.warmup_cosine(1e-2, 2, 10), b2=0.95, weight_decay=0.1, mask=mask))
+    state = opt.init(params)
+    frozen = params["router_bias"]
+    for step in range(5):
+        grads = _moe_like_tree(step + 1)
+        updates, ref_state = opt.update(grads, state, params)
+        ref_params = optim.apply_updates(params, updates)
+        params, state = update_and_apply(opt, grads, state, params)
+        assert params["router_bias"] is frozen
+        for k in params:
+            torch.testing.assert_close(params[k], ref_params[k], rtol=1e-6, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves(state), tree_leaves(ref_state)))
+
+
+def test_fused_adamw_falls_back_to_update_then_apply_where_it_does_not_apply():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from shardfn.core.optim import update_and_apply
+
+    params, grads = _moe_like_tree(), _moe_like_tree(1)
+    opt = optim.adamw(1e-2, weight_decay=0.1)
+    state = opt.init(params)
+
+    def traced(g, s, p):
+        return update_and_apply(opt, g, s, p)
+
+    gm = make_fx(traced)(grads, state, params)
+    assert not any("_foreach" in str(n.target) for n in gm.graph.nodes)  # one op per leaf, as the update's
+    new, _ = gm(grads, state, params)
+    updates, _ = opt.update(grads, state, params)
+    want = optim.apply_updates(params, updates)
+    assert all(torch.equal(new[k], want[k]) for k in want)

@@ -121,26 +121,58 @@ def test_the_pass_refuses_a_program_on_a_gloo_group_with_two_worker_threads(two_
     assert torch.equal(gm(torch.ones(4)), torch.full((4,), 3.0))
 
 
-def test_the_default_leaves_the_pass_off_on_a_mesh_over_a_users_two_thread_group(two_thread_gloo):
-    import torch.distributed as dist
+def test_a_mesh_over_a_users_two_thread_group_runs_on_a_one_thread_group_of_its_own(two_thread_gloo):
+    import warnings
 
+    from shardfn.core._torch_private import gloo_worker_threads
     from shardfn.partition.mesh import Mesh
     from shardfn.runtime.partitioned import overlaps
 
-    mesh = Mesh({"fsdp": 1})  # adopts the user's group
-    assert mesh.gloo_worker_threads() == 2
-    cfg = load_config("llama_tiny", ["mesh.fsdp=2"])
-    with pytest.warns(UserWarning, match="partition.overlap is off for this run: the mesh's gloo process group "
-                                         "runs on 2 worker threads"):
-        assert not overlaps(cfg, mesh)
-    assert overlaps(load_config("llama_tiny", ["mesh.fsdp=2", *ON]), mesh)  # asked for: the pass refuses it
-    from shardfn.core._torch_private import gloo_worker_threads
-
-    assert gloo_worker_threads(dist.new_group([0])) == 1  # a subgroup made after the mesh adopted it: one
-    dist.destroy_process_group()
-    mesh = Mesh({"fsdp": 1})  # the mesh makes the group: one thread, the pass on
+    mesh = Mesh({"fsdp": 1})  # over the user's world, on a group of its own
+    assert gloo_worker_threads(two_thread_gloo) == 2
+    assert mesh.device_mesh.get_group("fsdp") is not two_thread_gloo
     assert mesh.gloo_worker_threads() == 1
-    assert overlaps(cfg, mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert overlaps(load_config("llama_tiny", ["mesh.fsdp=2"]), mesh)
+
+
+def _torchrun_way_worker(overrides):
+    # what a torchrun script does before any shardfn code: its own default gloo group, made by
+    # gloo's own class (two worker threads), from the launcher's environment
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from shardfn.core._torch_private import gloo_worker_threads
+    from shardfn.partition.mesh import Mesh
+    from shardfn.runtime.partitioned import full, mesh_from_config, overlaps
+
+    dist.destroy_process_group()
+    ours = c10d.ProcessGroupGloo
+    c10d.ProcessGroupGloo = ours.__mro__[1]
+    try:
+        dist.init_process_group("gloo")
+    finally:
+        c10d.ProcessGroupGloo = ours
+    user_threads = gloo_worker_threads(dist.group.WORLD)
+    mesh = Mesh({"fsdp": 2})
+    on = overlaps(load_config("llama_tiny", FSDP), mesh_from_config(load_config("llama_tiny", FSDP)))
+    out = {"user": user_threads, "mesh": mesh.gloo_worker_threads(), "overlaps": on, "runs": []}
+    for extra in ([], PLAIN):
+        params, _, metrics = run_config("llama_tiny", [*FSDP, *extra, *overrides], steps=2)
+        out["runs"].append({"params": full(params), "losses": torch.stack([m["loss"] for m in metrics])})
+    return out
+
+
+def test_sf_mesh_over_a_group_made_the_torchrun_way_keeps_the_overlap_pass():
+    from shardfn.runtime.launch import spawn
+
+    out = spawn(_torchrun_way_worker, 2, args=([],), timeout_s=600)
+    for rank in out:
+        assert (rank["user"], rank["mesh"], rank["overlaps"]) == (2, 1, True)
+        overlapped, plain = rank["runs"]
+        assert torch.equal(overlapped["losses"], plain["losses"])
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves(overlapped["params"]), tree_leaves(plain["params"])))
 
 
 def test_fsdp2_gathers_are_issued_one_layer_ahead(clean_process_group):
@@ -248,11 +280,18 @@ def _order_of_exchange_and_shared():
             return out
         return out[0], _RecordedWait(out[1], events)
 
+    swiglu_backward = moe_dispatch._swiglu_backward
+
     def recorded_swiglu(*args):
         events.append("shared")
         return swiglu(*args)
 
+    def recorded_swiglu_backward(*args):
+        events.append("shared")
+        return swiglu_backward(*args)
+
     moe_dispatch._a2a, moe_dispatch._swiglu = recorded_a2a, recorded_swiglu
+    moe_dispatch._swiglu_backward = recorded_swiglu_backward
     return events
 
 
