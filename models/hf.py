@@ -130,12 +130,15 @@ def layout(model_name: str, cfg, *, rope_interleave: bool | None = None) -> list
 
 
 def _model(model_name: str):
+    """The model ``model_name`` resolves to, when it has Hugging Face names (``hf_tensors``)."""
     from shardfn import models
 
-    if model_name not in models.REGISTRY:
-        raise ValueError(f"no Hugging Face mapping for model {model_name!r}; valid models: "
-                         f"{', '.join(sorted(models.REGISTRY))}")
-    return models.get(model_name)
+    model = models.get(model_name)
+    if not hasattr(model.module, "hf_tensors"):
+        raise ValueError(f"model {model_name!r} ({model.source}) has no Hugging Face names: define "
+                         f"hf_tensors(cfg) -> list[models.hf_names.HFTensor] (docs/models.md) to export it or to "
+                         f"load HF checkpoints")
+    return model
 
 
 # ----------------------------------------------------------------------------- conversion

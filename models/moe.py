@@ -5,7 +5,7 @@
 attention (``attention: mla``) or grouped-query attention (``attention: gqa``).
 
     cfg = Config.from_dict({"n_experts": 8, "top_k": 2})
-    params = init(cfg, seed=0)
+    params = models.get("moe").init(cfg, seed=0)
     logits = apply(params, tokens, cfg)                                    # [B, S] -> [B, S, vocab]
     loss_value, aux = loss_and_aux(params, {"inputs": x, "targets": y}, cfg)
     aux["expert_counts"]                                                   # [n_moe_layers, n_experts]
@@ -63,13 +63,12 @@ import torch
 
 from shardfn.core import layers as L
 from shardfn.core import moe
-from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked, zeros
-from shardfn.core.layers import RopeScaling
+from shardfn.core.init import normal, ones, stacked, zeros
+from shardfn.core.layers import RopeScaling, cross_entropy
 from shardfn.core.pytree import PyTree, tree_map
 from shardfn.core.regional import repeated
 from shardfn.models import check, config_from_dict, hf_names
 from shardfn.models.hf_names import HFTensor
-from shardfn.models.llama import cross_entropy
 
 ATTENTIONS = ("mla", "gqa")
 MLA_NORM_EPS = 1e-6
@@ -286,46 +285,6 @@ def param_table(cfg: Config) -> PyTree:
     return table
 
 
-def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         regions: dict | None = None) -> PyTree:
-    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing). With
-    ``regions`` (``path -> slices``), only those parts, as a flat dict (``core.init.init_params``).
-
-    Example:
-        params = init(Config(), seed=0)
-        params["moe_layers"]["experts"]["w1"].shape  # torch.Size([2, 8, 64, 32])
-    """
-    return init_params(param_table(cfg), seed, device=device, dtype=dtype, regions=regions)
-
-
-def param_axes(cfg: Config) -> PyTree:
-    """Logical axis names of every parameter dim, in the params' tree structure.
-
-    Example:
-        param_axes(Config())["moe_layers"]["experts"]["w1"]  # ("layers", "expert", "embed", "expert_mlp")
-    """
-    return axes_of(param_table(cfg))
-
-
-def param_counts(cfg: Config) -> dict[str, int]:
-    """``{"total", "active"}`` from shapes only.
-
-    ``active`` counts what one token touches: every non-expert parameter (embedding and output
-    head both, attention, norms, routers, dense and shared FFNs) plus ``top_k`` of the
-    ``n_experts`` routed experts in each MoE layer. Both count the multi-token-prediction
-    modules (``mtp_depth``) too, whose embedding and head are the main model's, counted once.
-
-    Example:
-        param_counts(deepseek_v3)  # {"total": ~671e9, "active": ~37.5e9}
-    """
-    table = param_table(cfg)
-    total = count_params(table)
-    routed = count_params(table["moe_layers"]["experts"])
-    if cfg.mtp_depth:
-        routed += count_params(table["mtp"]["block"]["experts"])
-    return {"total": total, "active": total - routed + routed * cfg.top_k // cfg.n_experts}
-
-
 # ----------------------------------------------------------------------------- facts for the layers above
 
 
@@ -353,7 +312,20 @@ def pipeline_refusal(cfg: Config) -> tuple[str, str] | None:
     """
     if cfg.mtp_depth:
         return ("model.mtp_depth", f"{cfg.mtp_depth}: the multi-token-prediction modules do not run in pipeline "
-                                   f"stages yet; set model.mtp_depth=0 or mesh.pp=1")
+                                   f"stages yet; set model.mtp_depth=0")
+    return None
+
+
+def context_refusal(cfg: Config) -> tuple[str, str] | None:
+    """``(config key, why)`` when the model cannot take its tokens reordered (``batch["positions"]``):
+    multi-token prediction shifts the tokens in order.
+
+    Example:
+        context_refusal(Config(mtp_depth=1))[0]  # "model.mtp_depth"
+    """
+    if cfg.mtp_depth:
+        return ("model.mtp_depth", f"{cfg.mtp_depth}: multi-token prediction shifts the tokens in order; "
+                                   f"set model.mtp_depth=0")
     return None
 
 
@@ -365,36 +337,6 @@ def with_layers(cfg: Config, counts: dict) -> Config:
     """
     dense = counts.get("dense_layers", 0)
     return dataclasses.replace(cfg, first_k_dense=dense, n_layers=dense + counts.get("moe_layers", 0))
-
-
-def layout_units(cfg: Config) -> dict[str, tuple[str, int]]:
-    """Logical axes that split only in whole units: ``axis -> (config key, count)``.
-
-    Example:
-        layout_units(Config())["expert"]  # ("n_experts", 8)
-    """
-    units = {"heads": ("n_heads", cfg.n_heads), "expert": ("n_experts", cfg.n_experts)}
-    if cfg.attention == "gqa":
-        units["kv_heads"] = ("n_kv_heads", cfg.n_kv_heads)
-    return units
-
-
-def active_fraction(cfg: Config) -> dict[str, float]:
-    """Logical axis -> the share of it one token uses: ``top_k`` of the routed experts.
-
-    Example:
-        active_fraction(Config())  # {"expert": 0.25}
-    """
-    return {"expert": cfg.top_k / cfg.n_experts}
-
-
-def experts_per_token(cfg: Config) -> int:
-    """Routed experts each token visits per MoE layer (the expert-parallel exchange's fan-out).
-
-    Example:
-        experts_per_token(Config())  # 2
-    """
-    return cfg.top_k
 
 
 def attention_shape(cfg: Config) -> tuple[int, int, int]:
@@ -685,7 +627,7 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[B, S, vocab]`` for ``tokens [B, S]`` int64.
 
     Example:
-        logits = apply(init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())  # [2, 16, 256]
+        logits = apply(models.get("moe").init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())
     """
     return apply_with_aux(params, tokens, cfg)[0]
 
@@ -723,17 +665,8 @@ def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> t
         return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
     if "positions" in batch:
         raise ValueError("model.mtp_depth > 0 reads the tokens in order (depth k shifts them by k), but the batch "
-                         "has reordered tokens (batch['positions'], mesh.cp > 1); set model.mtp_depth=0 or mesh.cp=1")
+                         "has reordered tokens (batch['positions']); set model.mtp_depth=0")
     logits, depths, aux = apply_with_mtp(params, batch["inputs"], cfg, experts=experts)
     ce, mtp = cross_entropy(logits, batch["targets"]), mtp_loss(depths, batch["targets"])
     value = ce + aux["balance_loss"] + cfg.mtp_loss_weight * mtp
     return value, {**aux, "ce_loss": ce.detach(), "mtp_loss": mtp.detach()}
-
-
-def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
-    """The training loss of :func:`loss_and_aux`, alone.
-
-    Example:
-        loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
-    """
-    return loss_and_aux(params, batch, cfg, experts=experts)[0]

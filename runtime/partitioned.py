@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
+from shardfn import models
 from shardfn.core import optim
 from shardfn.core.pytree import tree_map
 from shardfn.partition.context import balanced_batch
@@ -66,6 +67,7 @@ def constrained(inner: optim.GradientTransformation, specs: Any,
 
 def layout(cfg, model, params, opt_state, mesh) -> dict[str, Any]:
     """The specs of a run: ``params``, ``opt_state``, ``batch``, and the resolved ``rules``."""
+    model = models.get(model)
     rules = resolve_rules(cfg.rules, mesh.axes)
     pspecs = param_specs(model.param_axes(cfg.model), rules, mesh.axes)
     return {
@@ -89,6 +91,7 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         step = mesh_step(cfg, llama, make_optimizer(cfg.train, llama), params, mesh_from_config(cfg))
         params, opt_state = step.place(params)
     """
+    model = models.get(model)
     from shardfn.runtime.train_step import make_train_step, precision_policy
 
     specs = layout(cfg, model, params, optimizer.init(params), mesh)
@@ -210,6 +213,7 @@ def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1):
     Example:
         loss = model.loss(params, batch, cfg.model, experts=expert_region(model, cfg.model, mesh, specs))
     """
+    model = models.get(model)
     units = model.layout_units(model_cfg)
     batch = specs["batch"]
     # the batch dim's axes: the region takes each data rank's tokens whole (gathered over cp,

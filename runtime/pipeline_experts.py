@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from shardfn import models
 from shardfn.core.registry import Registry
 
 
@@ -46,6 +47,7 @@ def expert_layout(model, model_cfg) -> ExpertLayout | None:
 
         expert_layout(moe, cfg.model).dims  # {"moe_layers.experts.w1": 1, ...}
     """
+    model = models.get(model)
     from shardfn.core.pytree import flatten_with_paths
 
     units = model.layout_units(model_cfg)
@@ -194,6 +196,7 @@ def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None) -> C
 
         pipe = build_pipeline(stage_loss(moe, cfg.model, Recorder(), mesh, P("ep")), params, microbatch, 2)
     """
+    model = models.get(model)
     layout = expert_layout(model, model_cfg)
     if layout is None:
         return lambda params, batch: model.loss(params, batch, model_cfg)

@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardfn import models
 from shardfn.core import _torch_private as private
 from shardfn.core import optim
 from shardfn.core.precision import with_policy
@@ -511,6 +512,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
         params_local = step.scatter(params); opt_state = step.optimizer.init(params_local)
         params_local, opt_state, metrics = step(params_local, opt_state, batch)
     """
+    model = models.get(model)
     import shardfn as sf
     from shardfn.core.pytree import tree_flatten
     from shardfn.partition.layouts import (
@@ -583,6 +585,7 @@ def pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
         step = pipeline_step(cfg, llama, params)
         local, opt_state = step.place(source)      # a full tree, or source(regions) -> {path: tensor}
     """
+    model = models.get(model)
     pipe = build_pipeline_step(cfg, model, params, record=record)
     layout = pipe.layout
 
