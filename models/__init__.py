@@ -22,18 +22,15 @@ dataclass from a dict with type checks, and range checks whose errors name the k
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import json
 import os
 import sys
 import types
-import typing
 from pathlib import Path
-from typing import Any
 
-from shardfn.models.contract import Model, ModelError
+from shardfn.models.contract import Model, ModelError, check, config_from_dict
 
 REGISTRY: dict[str, str] = {
     "llama": "shardfn.models.llama",  # Llama-3 dense transformer
@@ -150,52 +147,3 @@ def _import(spec: str, name: str) -> types.ModuleType:
 
 
 __all__ = ["REGISTRY", "Model", "ModelError", "register", "get", "check", "config_from_dict"]
-
-
-# ----------------------------------------------------------------------------- config helpers
-
-
-def check(ok: bool, key: str, message: str) -> None:
-    """Raise ``ValueError("model.<key> ...")`` unless ``ok``.
-
-    Example:
-        check(cfg.dim % cfg.n_heads == 0, "n_heads", f"= {cfg.n_heads} must divide model.dim = {cfg.dim}")
-    """
-    if not ok:
-        raise ValueError(f"model.{key} {message}")
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True
-
-
-def config_from_dict(cls: type, d: dict) -> Any:
-    """``cls(**d)`` for a dataclass ``cls``, rejecting unknown keys and values of the wrong type.
-
-    Raises:
-        ValueError: naming the key (``model.<key>``) and, for an unknown key, listing valid keys.
-
-    Example:
-        cfg = config_from_dict(Config, {"dim": 64})
-    """
-    if not isinstance(d, dict):
-        raise ValueError(f"the model section must be a mapping of Config fields, got {type(d).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in d.items():
-        if key not in fields:
-            raise ValueError(f"unknown config key 'model.{key}'; valid keys: name, {', '.join(fields)}")
-        hint = hints[key]
-        if not _type_ok(value, hint):
-            raise ValueError(f"model.{key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
-        kwargs[key] = float(value) if hint is float else value
-    return cls(**kwargs)

@@ -17,9 +17,11 @@ No parallelism here: the members describe the model; layouts decide how to split
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import math
 import types
+import typing
 from typing import Any, Callable
 
 import torch
@@ -104,10 +106,8 @@ class Model:
     def __repr__(self) -> str:
         return f"Model({self.name!r}, {self.source})"
 
-    def __reduce__(self):  # spawned ranks resolve the same name again
-        from shardfn import models
-
-        return models.get, (self.name,)
+    def __reduce__(self):  # spawned ranks import the same module again (its folder is on their sys.path)
+        return _rebuild, (self.module.__name__, self.name, self.source)
 
     def __getattr__(self, attr: str) -> Any:
         if attr in ("__name__", "__file__"):
@@ -165,13 +165,15 @@ class Model:
         """The module's ``Config.from_dict(d)``, or a checked ``Config(**d)`` for a dataclass."""
         if hasattr(self.module.Config, "from_dict"):
             return self.module.Config.from_dict(d)
-        from shardfn.models import config_from_dict
-
         return config_from_dict(self.module.Config, d)
 
     def compiled_layer_fns(self) -> list[Callable]:
         """The module's functions marked ``core.regional.repeated`` (what ``train.compile`` compiles)."""
         return [f for f in vars(self.module).values() if callable(f) and getattr(f, "repeated", False)]
+
+
+def _rebuild(module: str, name: str, source: str) -> Model:
+    return Model(importlib.import_module(module), name, source)
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -303,3 +305,52 @@ _DEFAULTS: dict[str, Callable[[Model], Any]] = {
     "hf_config_keys": lambda m: lambda cfg: {},
     "HF_MODEL_TYPES": lambda m: (),
 }
+
+
+# ----------------------------------------------------------------------------- Config helpers
+
+
+def check(ok: bool, key: str, message: str) -> None:
+    """Raise ``ValueError("model.<key> ...")`` unless ``ok``.
+
+    Example:
+        check(cfg.dim % cfg.n_heads == 0, "n_heads", f"= {cfg.n_heads} must divide model.dim = {cfg.dim}")
+    """
+    if not ok:
+        raise ValueError(f"model.{key} {message}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True
+
+
+def config_from_dict(cls: type, d: dict) -> Any:
+    """``cls(**d)`` for a dataclass ``cls``, rejecting unknown keys and values of the wrong type.
+
+    Raises:
+        ValueError: naming the key (``model.<key>``) and, for an unknown key, listing valid keys.
+
+    Example:
+        cfg = config_from_dict(Config, {"dim": 64})
+    """
+    if not isinstance(d, dict):
+        raise ValueError(f"the model section must be a mapping of Config fields, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in d.items():
+        if key not in fields:
+            raise ValueError(f"unknown config key 'model.{key}'; valid keys: name, {', '.join(fields)}")
+        hint = hints[key]
+        if not _type_ok(value, hint):
+            raise ValueError(f"model.{key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
+        kwargs[key] = float(value) if hint is float else value
+    return cls(**kwargs)
