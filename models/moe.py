@@ -119,7 +119,6 @@ class Config:
     norm_topk_prob: bool = True   # divide the top-k weights by their sum
     aux_loss_alpha: float = 0.0   # sequence-wise balance loss coefficient (0: off)
     bias_update_rate: float = 1e-3  # aux-loss-free balancing speed, for the train step
-    capacity_factor: float = 0.0  # expert parallelism: at most this x the even share per expert (0: dropless)
     # the rest
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # yarn | llama3 (core.layers.RopeScaling); None: plain RoPE
@@ -166,7 +165,7 @@ class Config:
                   f"grouped expert GEMM); try {getattr(self, key) + (-getattr(self, key)) % GROUPED_MM_MULTIPLE}")
         for key in ("rope_theta", "norm_eps", "init_std", "route_scale"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("aux_loss_alpha", "bias_update_rate", "capacity_factor", "mtp_depth", "mtp_loss_weight"):
+        for key in ("aux_loss_alpha", "bias_update_rate", "mtp_depth", "mtp_loss_weight"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
     def _check_gqa(self):
@@ -507,28 +506,8 @@ def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, experts=None,
     ``experts`` runs the routed experts (``core.moe.moe_layer``'s ``routed_fn``; None: this device).
     ``positions`` ``[B, S]``: the tokens' positions when they are not in order (``llama.apply``)."""
     h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, positions)
-    p, experts = shared_behind_dispatch(p, experts)
     y, aux = moe.moe_layer(p, L.rms_norm(h, p["mlp_norm"], cfg.norm_eps), cfg, routed_fn=experts)
     return h + y, aux                                                            # [B, S, D]
-
-
-def shared_behind_dispatch(p: PyTree, experts=None) -> tuple[PyTree, object]:
-    """``(p, experts)`` for ``core.moe.moe_layer``, with the shared experts handed to ``experts``
-    when it takes them (``experts.takes_shared``: an expert-parallel region, which issues the
-    dispatch all-to-all first and computes the shared experts while it is in flight, then adds
-    their output after the routed one, as ``moe_layer`` does); otherwise unchanged.
-
-        p, routed = shared_behind_dispatch(p, experts)
-        y, aux = moe.moe_layer(p, x, cfg, routed_fn=routed)
-    """
-    if experts is None or "shared" not in p or not getattr(experts, "takes_shared", False):
-        return p, experts
-    s = p["shared"]
-
-    def routed_then_shared(x, indices, weights, w1, w2, w3):
-        return experts(x, indices, weights, w1, w2, w3, s["w1"], s["w2"], s["w3"])
-
-    return {k: v for k, v in p.items() if k != "shared"}, routed_then_shared
 
 
 def _hidden(params: PyTree, tokens: torch.Tensor, cfg: Config, experts=None, positions=None):

@@ -98,7 +98,8 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
     skip = cfg.train.nonfinite == "skip"  # the torch.where over params and state is traced and partitioned too
     policy = precision_policy(cfg.train)
     reduce_dtype = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
-    experts = expert_region(model, cfg.model, mesh, specs, chunks=cfg.partition.ep_chunks)
+    experts = expert_region(model, cfg.model, mesh, specs, chunks=cfg.partition.ep_chunks,
+                            capacity_factor=cfg.partition.capacity_factor)
     train_step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"], reduce_dtype),
                                  skip_nonfinite=skip, experts=experts, precision=policy)
     if backend == "default":
@@ -202,13 +203,15 @@ def distribute(tree: Any, specs: Any, mesh) -> Any:
     return optree.tree_unflatten(treedef, out)
 
 
-def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1):
+def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1, capacity_factor: float = 0.0):
     """How an MoE model's routed experts run on ``mesh`` (``model.loss_and_aux``'s ``experts``):
     a per-rank region with an all-to-all exchange over ``ep`` when ``mesh.ep > 1``, else each
     rank's own tokens through whole experts. None for a model without experts
     (``model.layout_units`` has no ``expert``) or a batch that is not split. ``chunks``
     (``partition.ep_chunks``): the exchange in that many token groups, overlapped with the
-    experts' compute.
+    experts' compute; ``capacity_factor`` (``partition.capacity_factor``): at most this times the
+    even share of tokens per expert (0: dropless). A model's shared experts, when its MoE layer
+    has any, run while the exchange is in flight (``core.moe.moe_layer``).
 
     Example:
         loss = model.loss(params, batch, cfg.model, experts=expert_region(model, cfg.model, mesh, specs))
@@ -226,9 +229,7 @@ def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1):
 
     n_experts = units["expert"][1]
     if mesh.axes.get("ep", 1) > 1:
-        shared = getattr(model_cfg, "n_shared_experts", 0) > 0
-        # with shared experts, the layer hands them to the region, which runs them while the dispatch is in flight
-        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, model_cfg.capacity_factor, shared=shared,
+        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, capacity_factor, shared=True,
                                          chunks=chunks)
     return moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
 

@@ -188,11 +188,13 @@ def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = Non
     return routed
 
 
-def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None) -> Callable:
+def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None, *,
+               capacity_factor: float = 0.0) -> Callable:
     """``loss_fn(params, batch)`` for :func:`~shardfn.partition.stages.build_pipeline`: the
     model's loss with its MoE layers counted into ``recorder`` and run as the stage's ``mesh``
     runs them (an expert-parallel exchange with ``mesh.ep > 1``); ``batch`` is the batch spec
     on that mesh. Without a mesh (or on one device) everything runs in the stage's programs.
+    ``capacity_factor``: ``partition.capacity_factor`` (:func:`~shardfn.runtime.partitioned.expert_region`).
 
         pipe = build_pipeline(stage_loss(moe, cfg.model, Recorder(), mesh, P("ep")), params, microbatch, 2)
     """
@@ -204,7 +206,7 @@ def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None) -> C
     if mesh is not None and mesh.size > 1:
         from shardfn.runtime.partitioned import expert_region
 
-        experts = expert_region(model, model_cfg, mesh, {"batch": batch})
+        experts = expert_region(model, model_cfg, mesh, {"batch": batch}, capacity_factor=capacity_factor)
         tokens = batch
 
     def loss_fn(params, microbatch):

@@ -548,7 +548,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     experts = pipeline_experts.expert_layout(model, cfg.model)
     recorder = pipeline_experts.Recorder() if experts is not None else None
     loss_fn = pipeline_experts.stage_loss(model, cfg.model, recorder, stage_mesh if stage_mesh.size > 1 else None,
-                                          batch)
+                                          batch, capacity_factor=cfg.partition.capacity_factor)
     loss_fn = with_policy(loss_fn, precision_policy(cfg.train))  # stages compute (and send) in its dtype
     with mesh_scope(stage_mesh if stage_mesh.size > 1 else None):
         example = {"inputs": tokens, "targets": tokens}
