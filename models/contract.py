@@ -137,6 +137,26 @@ class Model:
         """
         return any(axis in p.axes for _, p in _leaves(self.table(cfg)))
 
+    def layer_count(self, cfg: Any) -> int:
+        """Layers in the network's sequence: the sum of :meth:`stacks`' counts.
+
+        Example:
+            models.get("llama").layer_count(Config(n_layers=4))   # 4
+        """
+        return sum(n for _, n in self.stacks(cfg))
+
+    def embed_dim(self, cfg: Any) -> int:
+        """The model width: the largest dim on the logical axis ``embed``."""
+        return max(_axis_sizes(self.table(cfg), "embed"))
+
+    def vocab_size(self, cfg: Any) -> int:
+        """The vocabulary: the largest dim on the logical axis ``vocab``."""
+        return max(_axis_sizes(self.table(cfg), "vocab"))
+
+    def ties_embeddings(self, cfg: Any) -> bool:
+        """Whether the output head is the embedding (one parameter on the ``vocab`` axis, not two)."""
+        return sum("vocab" in p.axes for _, p in _leaves(self.table(cfg))) == 1
+
     def reads_positions(self) -> bool:
         """Whether the model reads ``batch["positions"]`` (the tokens' positions when a layout
         reorders them): the module's ``READS_POSITIONS``, else whether its source mentions

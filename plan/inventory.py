@@ -83,7 +83,7 @@ def stage_ranges(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> lis
     Example:
         stage_ranges(load_config("deepseek_v3_671b"), Layout(pp=16, microbatches=32))[:2]
     """
-    n_layers = cfg.model.n_layers
+    n_layers = models.get(cfg.model_name).layer_count(cfg.model)
     if layout.n_stages == 1:
         return [(0, n_layers)]
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
@@ -234,7 +234,7 @@ def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> 
     model = models.get(cfg.model_name)
     leaves = mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, dtype)
     by_path = {leaf.path: leaf for leaf in leaves}
-    tied = cfg.model.tie_embeddings
+    tied = model.ties_embeddings(cfg.model)
     params, state = _meta_state(cfg, model, dtype)
     out = []
     for share in rank_shares(model, cfg, layout, dtype):
@@ -289,7 +289,8 @@ def model_facts(model, model_cfg, leaves: Sequence[Leaf]) -> ModelFacts:
     heads, qk, v = model.attention_shape(model_cfg)
     # forward QK^T and AV: 2 * S * H * (qk + v) per token, halved for the causal mask; x3 with backward
     attn = 3.0 * heads * (qk + v)
-    return ModelFacts(stacks, params, active, embed, head, attn, model_cfg.dim, model.experts_per_token(model_cfg))
+    return ModelFacts(stacks, params, active, embed, head, attn, model.embed_dim(model_cfg),
+                      model.experts_per_token(model_cfg))
 
 
 def stage_shares(model, cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[RankShare]:
