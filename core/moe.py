@@ -301,13 +301,13 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
         r = route(flat, p["router"], p.get("router_bias"), cfg)
         e = p["experts"]
         routed_fn = routed_fn or routed_experts
-        s = p.get("shared")
-        if s is not None and getattr(routed_fn, "takes_shared", False):  # the layout runs them behind its exchange
-            y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"], s["w1"], s["w2"], s["w3"])
+        sh = p.get("shared")
+        if sh is not None and getattr(routed_fn, "takes_shared", False):  # the layout runs them behind its exchange
+            y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"], sh["w1"], sh["w2"], sh["w3"])
         else:
             y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"])  # [T, D]
-            if s is not None:
-                y = y + swiglu(s, flat)
+            if sh is not None:
+                y = y + swiglu(sh, flat)
         if cfg.aux_loss_alpha > 0:
             balance = cfg.aux_loss_alpha * sequence_balance_loss(r.scores, r.indices, b)
         else:
