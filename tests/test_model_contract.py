@@ -195,3 +195,21 @@ def test_the_example_model_matches_one_device_on_every_layout(layouts):
     assert set(runs) == set(layouts)
     for name, losses in runs.items():
         torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- parallelism out of model files
+
+
+def test_no_parallelism_words_in_model_files_and_no_config_fields_read_outside():
+    import re
+
+    for path in sorted((ROOT / "models").glob("*.py")) + [ROOT / "examples" / "models" / "qwen_moe.py"]:
+        text = path.read_text()
+        for word in ("mesh.", "takes_shared", "capacity_factor", "all_to_all"):
+            assert word not in text, f"{path.name} mentions {word!r}"
+    field_read = re.compile(r"\b(?:mcfg|model_cfg|cfg\.model)\.(?!model_name\b)[a-z_]+\b(?!\()")
+    for folder in ("partition", "runtime", "plan", "cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith(("#", '"', "'"))]
+            hits = [line.strip() for line in code if field_read.search(line.split("#")[0])]
+            assert not hits, f"{path.relative_to(ROOT)} reads a model Config field by name: {hits[0]}"

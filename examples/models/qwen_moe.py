@@ -3,10 +3,10 @@
 Every layer: grouped-query attention with QK-norm (an RMSNorm over each head's query and key, as
 Qwen3), then a mixture of experts routed by a softmax over all experts and the top-2 of them
 renormalised (Mixtral), with no shared experts. Untied output head. Nothing here knows about
-meshes: a layout shards it from the logical axes of :func:`param_table`, and replaces
-``experts`` (the routed experts as a function) when it splits them over ``mesh.ep``.
+devices: a layout shards it from the logical axes of :func:`param_table`, and replaces
+``experts`` (the routed experts as a function) when it splits the experts over devices.
 
-    shardfn train --config examples/models/qwen_moe.yaml --nproc 2 mesh.ep=2
+    shardfn train --config examples/models/qwen_moe.yaml      # the layouts: see that file
 
 Parameters (``L`` layers, ``D`` dim, ``H``/``Hkv`` heads, ``hd`` head dim, ``E`` experts, ``F``
 expert ffn dim, ``V`` vocab):
