@@ -2,8 +2,9 @@
 
 A run config has the sections ``model``, ``mesh``, ``rules``, ``train``, ``data``, ``pipeline``,
 ``partition`` and ``runtime``; every section but ``model`` is optional and every key has a
-default. ``model`` names an entry of the model registry (``name: llama``) and its remaining keys
-are validated by that model's ``Config.from_dict``.
+default. ``model.name`` names the model: a registered name (``llama``), a dotted module path or a
+``.py`` file (relative to the YAML file; ``shardfn.models.get`` resolves it), and the section's
+remaining keys are validated by that model's ``Config.from_dict``.
 
     cfg = load_config("examples/configs/llama_tiny.yaml", ["train.steps=50", "model.n_layers=2"])
     cfg.train.steps, cfg.mesh.world_size  # (50, 1)
@@ -206,6 +207,9 @@ class PartitionConfig:
     # the MoE exchange in this many token groups: one group's all-to-all in flight while the
     # experts run on another's (1: one exchange each way, only the shared experts overlap it)
     ep_chunks: int = 1
+    # expert parallelism: each expert takes at most this times its even share of a rank's tokens
+    # (the rest are dropped, as GShard's capacity); 0: dropless
+    capacity_factor: float = 0.0
 
     def validate(self) -> None:
         if isinstance(self.memory_budget, str):
@@ -220,6 +224,8 @@ class PartitionConfig:
                "must be >= 0 or null (0 or null: no bucketing)", self.bucket_bytes)
         _check(isinstance(self.ep_chunks, int) and self.ep_chunks >= 1, "partition.ep_chunks",
                "must be an integer >= 1 (1: no chunking)", self.ep_chunks)
+        _check(self.capacity_factor >= 0, "partition.capacity_factor", "must be >= 0 (0: dropless)",
+               self.capacity_factor)
         _check(self.memory_budget is None or self.memory_budget > 0, "partition.memory_budget",
                "must be > 0 or null", self.memory_budget)
         _check(self.reshard_after_forward in (None, True, False), "partition.reshard_after_forward",
@@ -384,9 +390,21 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     if not isinstance(raw, dict):
         raise ValueError(f"{file}: a run config is a mapping of sections ({', '.join(VALID_SECTIONS)}), "
                          f"got {type(raw).__name__}")
+    _model_file_beside(raw, file)
     cfg = config_from_dict(raw, overrides)
     cfg.source = str(file)
     return cfg
+
+
+def _model_file_beside(raw: dict, file: Path) -> None:
+    """A relative ``model.name: mymodel.py`` in a YAML file names the file beside it: made absolute
+    (on the command line, a relative path is from the current directory)."""
+    model = raw.get("model")
+    name = model.get("name") if isinstance(model, dict) else None
+    if isinstance(name, str) and name.endswith(".py") and not Path(name).is_absolute():
+        beside = file.resolve().parent / name
+        if beside.is_file():
+            model["name"] = str(beside)
 
 
 def config_from_dict(raw: dict, overrides: Iterable[str] = ()) -> RunConfig:
@@ -454,11 +472,13 @@ def _build_model(section: Any) -> tuple[str, Any]:
                          f"got {section!r}")
     fields = dict(section)
     name = fields.pop("name")
+    if not isinstance(name, str):
+        raise ValueError(f"model.name must be a string (a registered name, a module path or a .py file), got {name!r}")
     try:
-        module = models.get(name)
+        model = models.get(name)
     except (KeyError, ValueError) as e:
         raise ValueError(f"model.name: {e.args[0] if e.args else e}") from None
-    return name, module.Config.from_dict(fields)
+    return name, model.config_from_dict(fields)
 
 
 def _build_rules(section: dict) -> dict:

@@ -60,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     max_shard_bytes = _shard_bytes(args.max_shard_bytes)
     out = _check_out(Path(args.out))
     cfg = export_config(path, args.config, args.overrides)
+    try:
+        hf.named_model(cfg.model_name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     like = models.get(cfg.model_name).init(cfg.model, 0, device="meta")
     try:
         params = checkpoint.load_params(path, like, config=cfg.to_dict())

@@ -283,6 +283,9 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
         routed_fn: ``(x, indices, weights, w1, w2, w3) -> y`` for the routed experts (None: this
             device, :func:`routed_experts`); a layout passes its per-rank region here (expert
             parallelism: the all-to-all exchange in the runtime), and model code never changes.
+            A ``routed_fn`` whose ``takes_shared`` is true also takes the shared experts'
+            ``w1, w2, w3`` last and adds their output (a layout that runs them while its
+            exchange is in flight); otherwise they run here, after the routed ones.
 
     Returns:
         ``(y [B, S, D], aux)`` with ``aux["expert_counts"]`` ``[E]`` int64 (assignments per expert)
@@ -297,9 +300,13 @@ def moe_layer(p: dict, x: torch.Tensor, cfg, *, routed_fn: Callable | None = Non
         r = route(flat, p["router"], p.get("router_bias"), cfg)
         e = p["experts"]
         routed_fn = routed_fn or routed_experts
-        y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"])  # [T, D]
-        if "shared" in p:
-            y = y + swiglu(p["shared"], flat)
+        sh = p.get("shared")
+        if sh is not None and getattr(routed_fn, "takes_shared", False):  # the layout runs them behind its exchange
+            y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"], sh["w1"], sh["w2"], sh["w3"])
+        else:
+            y = routed_fn(flat, r.indices, r.weights, e["w1"], e["w2"], e["w3"])  # [T, D]
+            if sh is not None:
+                y = y + swiglu(sh, flat)
         if cfg.aux_loss_alpha > 0:
             balance = cfg.aux_loss_alpha * sequence_balance_loss(r.scores, r.indices, b)
         else:

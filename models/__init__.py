@@ -1,12 +1,19 @@
-"""Pure-function models and their registry.
+"""Pure-function models, their registry and the one resolver every command uses.
 
-Each model module exposes ``Config``, ``init``, ``param_axes``, ``param_counts``, ``apply`` and
-``loss`` (see docs/architecture.md); the MoE model also has ``loss_and_aux``.
+A model is a Python module that follows the contract of ``models.contract`` (docs/models.md):
+``Config``, ``param_table(cfg)`` and ``loss(params, batch, cfg)``; everything else has a default.
+A run config names it by ``model.name``, which :func:`get` resolves, in this order:
+
+1. a registered name: ``llama``, ``moe``, or one added with :func:`register`;
+2. a path to a ``.py`` file (``model.name=examples/models/qwen_moe.py``), imported as a module
+   named after the file, with its folder put on ``sys.path`` (so spawned ranks import it too);
+3. a dotted module path (``model.name=mypkg.mymodel``), imported with ``importlib``.
 
     from shardfn import models
-    llama = models.get("llama")
+    llama = models.get("llama")                 # a models.contract.Model over shardfn.models.llama
     cfg = llama.Config.from_dict({"dim": 64, "n_layers": 2})
     params = llama.init(cfg, seed=0)
+    models.register("mymodel", "mypkg.mymodel")  # then model.name=mymodel, on every rank
 
 This module also holds the small helpers the models' ``Config`` classes share: building a frozen
 dataclass from a dict with type checks, and range checks whose errors name the key
@@ -15,77 +22,128 @@ dataclass from a dict with type checks, and range checks whose errors name the k
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import importlib
+import json
+import os
+import sys
 import types
-import typing
-from typing import Any
+from pathlib import Path
+
+from shardfn.models.contract import Model, ModelError, check, config_from_dict
 
 REGISTRY: dict[str, str] = {
     "llama": "shardfn.models.llama",  # Llama-3 dense transformer
     "moe": "shardfn.models.moe",      # DeepSeek-V3 / Kimi-K2 MoE transformer
 }
-"""Model name (the ``model.name`` of a config) -> module."""
+"""Model name (the ``model.name`` of a config) -> a dotted module path or a ``.py`` file."""
+
+REGISTRY_ENV = "SHARDFN_MODELS"
+"""Environment variable holding the names added with :func:`register` (JSON ``name -> module``),
+so that ranks spawned from this process resolve them too."""
 
 
-def get(name: str) -> types.ModuleType:
-    """The model module registered as ``name``.
+def register(name: str, module: types.ModuleType | str) -> None:
+    """Make ``model.name=<name>`` resolve to ``module`` here and in the ranks this process spawns.
+
+    Args:
+        name: the name a run config gives (``model.name``).
+        module: a module object, a dotted module path or a ``.py`` file path.
+
+    Example:
+        models.register("tiny_qwen", "examples/models/qwen_moe.py")
+        models.get("tiny_qwen").param_counts(models.get("tiny_qwen").Config())
+    """
+    if isinstance(module, types.ModuleType):
+        spec = module.__name__
+        if spec == "__main__" or spec not in sys.modules:
+            spec = getattr(module, "__file__", None) or spec
+    elif isinstance(module, str):
+        spec = module
+    else:
+        raise TypeError(f"models.register({name!r}, ...): module must be a module, a dotted path or a .py file, "
+                        f"got {type(module).__name__}")
+    if isinstance(spec, str) and spec.endswith(".py"):
+        spec = str(Path(spec).resolve())
+    REGISTRY[name] = spec
+    extra = _env_registry()
+    extra[name] = spec
+    os.environ[REGISTRY_ENV] = json.dumps(extra)
+    _resolve.cache_clear()
+
+
+def _env_registry() -> dict[str, str]:
+    try:
+        value = json.loads(os.environ.get(REGISTRY_ENV, "") or "{}")
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def get(name: str | types.ModuleType | Model) -> Model:
+    """The model ``name`` resolves to (see the module docstring), seen through the contract.
+
+    Accepts a :class:`~shardfn.models.contract.Model` (returned as is) or a module (wrapped), so
+    every function that takes a model may call it on its argument.
 
     Raises:
-        ValueError: for an unknown name; the message lists the valid ones.
+        ValueError: for a name that resolves to nothing; the message says what was tried.
 
     Example:
         models.get("llama").param_counts(models.get("llama").Config())
     """
-    if name not in REGISTRY:
-        raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(REGISTRY))}")
-    return importlib.import_module(REGISTRY[name])
+    if isinstance(name, Model):
+        return name
+    if isinstance(name, types.ModuleType):
+        return Model(name, name.__name__.rsplit(".", 1)[-1], name.__name__)
+    if not isinstance(name, str):
+        raise TypeError(f"a model is a name, a module or a models.Model, got {type(name).__name__}")
+    return _resolve(name)
 
 
-# ----------------------------------------------------------------------------- config helpers
+@functools.lru_cache(maxsize=None)
+def _resolve(name: str) -> Model:
+    registry = {**_env_registry(), **REGISTRY}
+    tried = []
+    spec = registry.get(name)
+    if spec is not None:
+        return Model(_import(spec, name), name, spec)
+    tried.append("a registered name")
+    if name.endswith(".py"):
+        path = Path(name).expanduser()
+        if path.is_file():
+            return Model(_import(str(path.resolve()), name), name, str(path))
+        tried.append(f"a .py file (no file {path.resolve()})")
+    elif name.replace(".", "").replace("_", "").isalnum() and "." in name:
+        try:
+            return Model(importlib.import_module(name), name, name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not name.startswith(e.name):
+                raise  # the module exists; something it imports does not
+            tried.append(f"a module path (no module named {e.name!r})")
+    else:
+        tried.append("a .py file or a dotted module path (it is neither)")
+    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(registry))}, a dotted module path "
+                     f"(mypkg.mymodel) or a .py file; tried {', '.join(tried)}. A library user may also call "
+                     f"shardfn.models.register(name, module)")
 
 
-def check(ok: bool, key: str, message: str) -> None:
-    """Raise ``ValueError("model.<key> ...")`` unless ``ok``.
-
-    Example:
-        check(cfg.dim % cfg.n_heads == 0, "n_heads", f"= {cfg.n_heads} must divide model.dim = {cfg.dim}")
-    """
-    if not ok:
-        raise ValueError(f"model.{key} {message}")
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    return True
+def _import(spec: str, name: str) -> types.ModuleType:
+    """Import a dotted module path, or a ``.py`` file as the module named after its file (its
+    folder first on ``sys.path``, which spawned ranks inherit)."""
+    if not spec.endswith(".py"):
+        return importlib.import_module(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"model {name!r}: its file {spec} does not exist")
+    folder, stem = str(path.parent), path.stem
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    module = importlib.import_module(stem)
+    if Path(getattr(module, "__file__", "") or "").resolve() != path.resolve():
+        raise ValueError(f"model {name!r}: importing {path} as {stem!r} found another module "
+                         f"({module.__file__}); rename the file")
+    return module
 
 
-def config_from_dict(cls: type, d: dict) -> Any:
-    """``cls(**d)`` for a dataclass ``cls``, rejecting unknown keys and values of the wrong type.
-
-    Raises:
-        ValueError: naming the key (``model.<key>``) and, for an unknown key, listing valid keys.
-
-    Example:
-        cfg = config_from_dict(Config, {"dim": 64})
-    """
-    if not isinstance(d, dict):
-        raise ValueError(f"the model section must be a mapping of Config fields, got {type(d).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in d.items():
-        if key not in fields:
-            raise ValueError(f"unknown config key 'model.{key}'; valid keys: name, {', '.join(fields)}")
-        hint = hints[key]
-        if not _type_ok(value, hint):
-            raise ValueError(f"model.{key} must be {hint.__name__}, got {type(value).__name__} {value!r}")
-        kwargs[key] = float(value) if hint is float else value
-    return cls(**kwargs)
+__all__ = ["REGISTRY", "Model", "ModelError", "register", "get", "check", "config_from_dict"]

@@ -126,16 +126,26 @@ def layout(model_name: str, cfg, *, rope_interleave: bool | None = None) -> list
     Example:
         [t.path for t in layout("llama", llama.Config())][:3]  # ['embed', 'norm', 'out']
     """
-    return _model(model_name).hf_tensors(cfg, rope_interleave=rope_interleave)
+    return named_model(model_name).hf_tensors(cfg, rope_interleave=rope_interleave)
 
 
-def _model(model_name: str):
+def named_model(model_name: str):
+    """The model ``model_name`` resolves to, when it has Hugging Face names (``hf_tensors``).
+
+    Raises:
+        ValueError: one line naming the model and the member it lacks.
+
+    Example:
+        named_model("llama").HF_ARCHITECTURE   # 'LlamaForCausalLM'
+    """
     from shardfn import models
 
-    if model_name not in models.REGISTRY:
-        raise ValueError(f"no Hugging Face mapping for model {model_name!r}; valid models: "
-                         f"{', '.join(sorted(models.REGISTRY))}")
-    return models.get(model_name)
+    model = models.get(model_name)
+    if not hasattr(model.module, "hf_tensors"):
+        raise ValueError(f"model {model_name!r} ({model.source}) has no Hugging Face names: define "
+                         f"hf_tensors(cfg) -> list[models.hf_names.HFTensor] (docs/models.md) to export it or to "
+                         f"load HF checkpoints")
+    return model
 
 
 # ----------------------------------------------------------------------------- conversion
@@ -166,7 +176,7 @@ def _hf_shape(entry: HFTensor, ours: Sequence[int]) -> tuple[int, ...]:
 
 
 def _meta_params(model_name: str, cfg) -> PyTree:
-    return _model(model_name).init(cfg, 0, device="meta")
+    return named_model(model_name).init(cfg, 0, device="meta")
 
 
 def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
@@ -694,7 +704,7 @@ def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.jso
     Example:
         check_hf_config({"hidden_size": 4096, "num_hidden_layers": 32}, "llama", cfg)
     """
-    model = _model(model_name)
+    model = named_model(model_name)
     model_type = hf.get("model_type")
     if model_type is not None and model_type not in model.HF_MODEL_TYPES:
         raise ValueError(f"{source}: model_type {model_type!r} is not a {model_name!r} model (model.name={model_name} "
@@ -732,7 +742,7 @@ def hf_config(model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
     Example:
         hf_config("llama", cfg)["architectures"]  # ['LlamaForCausalLM']
     """
-    model = _model(model_name)
+    model = named_model(model_name)
     out: dict[str, Any] = {"architectures": [model.HF_ARCHITECTURE], "model_type": model.HF_MODEL_TYPES[0]}
     for hf_key, ours in model.hf_config_keys(cfg).items():
         value = getattr(cfg, ours)

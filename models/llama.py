@@ -1,7 +1,7 @@
 """Llama 3 dense transformer as pure functions over a stacked parameter tree.
 
     cfg = Config.from_dict({"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2})
-    params = init(cfg, seed=0)
+    params = models.get("llama").init(cfg, seed=0)
     logits = apply(params, tokens, cfg)                       # [B, S] -> [B, S, vocab]
     loss(params, {"inputs": tokens, "targets": targets}, cfg)  # mean cross-entropy
 
@@ -21,20 +21,20 @@ Parameters (``L`` layers, ``D`` dim, ``H``/``Hkv`` heads, ``hd`` head dim, ``F``
     out                 [D, V]          (embed, vocab)      absent when tie_embeddings
 
 RoPE uses the "rotate half" convention (see ``shardfn.core.layers``). No parallelism here: the
-partitioner shards this code from ``param_axes`` and rules.
+partitioner shards this code from the table's logical axes and rules. Everything else a layout,
+the planner or a checkpoint needs (``init``, ``param_axes``, ``stacks``, ``layout_units``, ...)
+is the contract's default (``models.contract``, docs/models.md).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from shardfn.core import layers as L
-from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked
-from shardfn.core.layers import RopeScaling
+from shardfn.core.init import normal, ones, stacked
+from shardfn.core.layers import RopeScaling, cross_entropy
 from shardfn.core.pytree import PyTree
 from shardfn.core.regional import repeated
 from shardfn.models import check, config_from_dict, hf_names
@@ -128,69 +128,7 @@ def param_table(cfg: Config) -> PyTree:
     return table
 
 
-def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         regions: dict | None = None) -> PyTree:
-    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing). With
-    ``regions`` (``path -> slices``), only those parts, as a flat dict (``core.init.init_params``).
-
-    Example:
-        params = init(Config(), seed=0)
-        params["layers"]["attn"]["wq"].shape  # torch.Size([2, 64, 64])
-    """
-    return init_params(param_table(cfg), seed, device=device, dtype=dtype, regions=regions)
-
-
-def param_axes(cfg: Config) -> PyTree:
-    """Logical axis names of every parameter dim, in the params' tree structure.
-
-    Example:
-        param_axes(Config())["layers"]["attn"]["wq"]  # ("layers", "embed", "heads")
-    """
-    return axes_of(param_table(cfg))
-
-
-def param_counts(cfg: Config) -> dict[str, int]:
-    """``{"total", "active"}`` from shapes only; a dense model uses every parameter per token.
-
-    Example:
-        param_counts(Config())  # {"total": 155968, "active": 155968}; llama3_8b gives 8030261248
-    """
-    total = count_params(param_table(cfg))
-    return {"total": total, "active": total}
-
-
-# ----------------------------------------------------------------------------- facts for the layers above
-
-
-FROZEN: tuple[str, ...] = ()
-"""Parameters the optimizer leaves alone: none."""
-
-
-def stacks(cfg: Config) -> list[tuple[str, int]]:
-    """The stacked-layer subtrees, in network order, with their layer counts.
-
-    Example:
-        stacks(Config())  # [("layers", 2)]
-    """
-    return [("layers", cfg.n_layers)]
-
-
-def pipeline_refusal(cfg: Config) -> tuple[str, str] | None:
-    """``(config key, why)`` when the model cannot be split into pipeline stages; never for llama.
-
-    Example:
-        pipeline_refusal(Config())  # None
-    """
-    return None
-
-
-def with_layers(cfg: Config, counts: dict) -> Config:
-    """``cfg`` with ``counts["layers"]`` layers (a reduced model the planner traces).
-
-    Example:
-        with_layers(Config(n_layers=32), {"layers": 1}).n_layers  # 1
-    """
-    return dataclasses.replace(cfg, n_layers=counts["layers"])
+# ----------------------------------------------------------------------------- Hugging Face names
 
 
 HF_MODEL_TYPES = ("llama",)
@@ -220,45 +158,6 @@ def hf_config_keys(cfg: Config) -> dict[str, str]:
     return {**hf_names.COMMON_CONFIG_KEYS, **hf_names.GQA_CONFIG_KEYS}
 
 
-def active_fraction(cfg: Config) -> dict[str, float]:
-    """Logical axis -> the share of it one token uses (a dense model uses all of every parameter)."""
-    return {}
-
-
-def experts_per_token(cfg: Config) -> int:
-    """Routed experts each token visits per MoE layer (the expert-parallel exchange's fan-out): none."""
-    return 0
-
-
-def attention_shape(cfg: Config) -> tuple[int, int, int]:
-    """``(heads, query/key head dim, value head dim)``, for attention FLOPs."""
-    return cfg.n_heads, cfg.head_dim, cfg.head_dim
-
-
-def kv_width(cfg: Config) -> int:
-    """Elements of K plus V per token that attention reads (what context parallelism gathers)."""
-    return 2 * cfg.n_kv_heads * cfg.head_dim
-
-
-def aux_update(params: PyTree, aux: dict, cfg: Config) -> PyTree:
-    """The step's non-gradient parameter update: none for this model."""
-    return params
-
-
-def aux_metrics(aux: dict) -> dict[str, torch.Tensor]:
-    """Metrics from ``loss_and_aux``'s ``aux``: none for this model."""
-    return {}
-
-
-def layout_units(cfg: Config) -> dict[str, tuple[str, int]]:
-    """Logical axes that split only in whole units: ``axis -> (config key, count)``.
-
-    Example:
-        layout_units(Config())["heads"]  # ("n_heads", 4)
-    """
-    return {"heads": ("n_heads", cfg.n_heads), "kv_heads": ("n_kv_heads", cfg.n_kv_heads)}
-
-
 # ----------------------------------------------------------------------------- forward
 
 
@@ -285,7 +184,7 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config, *, positions: torch
         ``[B, S, vocab]`` in the params' dtype.
 
     Example:
-        logits = apply(init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())  # [2, 16, 256]
+        logits = apply(models.get("llama").init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())
     """
     h = L.embedding(params["embed"], tokens)                                   # [B, S, D]
     cos, sin = L.rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling,
@@ -300,48 +199,13 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config, *, positions: torch
     return L.linear(h, out)                                                    # [B, S, V]
 
 
-NO_IGNORED_TARGET = torch.iinfo(torch.int64).min
-"""The ``ignore_index`` :func:`cross_entropy` passes: no real target equals it, so every position
-counts, and a negative target is an out-of-bounds error rather than a position silently left out."""
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position, in float32.
-
-    The mean is the sum over positions divided by their number, a constant of the shapes, rather
-    than by a count of the targets kept (``F.cross_entropy``'s mean with ``ignore_index``): on a
-    mesh that splits the batch the count would be a partial sum, all-reduced between the forward
-    and the backward, where every rank waits for the slowest (without it dp2 and fsdp2 steps are
-    0.5-6% faster; docs/partitioner.md). The value and its gradient are ``F.cross_entropy``'s
-    mean, to the bit.
-
-    Example:
-        cross_entropy(torch.zeros(2, 3, 256), torch.zeros(2, 3, dtype=torch.long))  # log(256)
-    """
-    flat = targets.reshape(-1)
-    total = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), flat, reduction="sum",
-                            ignore_index=NO_IGNORED_TARGET)
-    return total / flat.numel()
-
-
-def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
+def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
     """Mean cross-entropy of ``apply(params, batch["inputs"])`` against ``batch["targets"]``.
 
-    ``experts`` is the model contract's routed-expert hook (``models.moe``); a dense model has
-    no experts to run, so it is unused here. ``batch["positions"]`` (optional, ``[B, S]``): the
+    ``batch["positions"]`` (optional, ``[B, S]``): the
     tokens' positions when a layout has reordered them (context parallelism's load balance).
 
     Example:
         loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
     """
     return cross_entropy(apply(params, batch["inputs"], cfg, positions=batch.get("positions")), batch["targets"])
-
-
-def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> tuple[torch.Tensor, dict]:
-    """:func:`loss` and an empty ``aux`` (the model contract every model shares; see ``models.moe``:
-    ``experts`` runs routed experts, which a dense model has none of).
-
-    Example:
-        (value, aux), grads = value_and_grad(loss_and_aux, has_aux=True)(params, batch, cfg)
-    """
-    return loss(params, batch, cfg), {}

@@ -5,7 +5,7 @@
 attention (``attention: mla``) or grouped-query attention (``attention: gqa``).
 
     cfg = Config.from_dict({"n_experts": 8, "top_k": 2})
-    params = init(cfg, seed=0)
+    params = models.get("moe").init(cfg, seed=0)
     logits = apply(params, tokens, cfg)                                    # [B, S] -> [B, S, vocab]
     loss_value, aux = loss_and_aux(params, {"inputs": x, "targets": y}, cfg)
     aux["expert_counts"]                                                   # [n_moe_layers, n_experts]
@@ -63,13 +63,12 @@ import torch
 
 from shardfn.core import layers as L
 from shardfn.core import moe
-from shardfn.core.init import axes_of, count_params, init_params, normal, ones, stacked, zeros
-from shardfn.core.layers import RopeScaling
+from shardfn.core.init import normal, ones, stacked, zeros
+from shardfn.core.layers import RopeScaling, cross_entropy
 from shardfn.core.pytree import PyTree, tree_map
 from shardfn.core.regional import repeated
 from shardfn.models import check, config_from_dict, hf_names
 from shardfn.models.hf_names import HFTensor
-from shardfn.models.llama import cross_entropy
 
 ATTENTIONS = ("mla", "gqa")
 MLA_NORM_EPS = 1e-6
@@ -120,7 +119,6 @@ class Config:
     norm_topk_prob: bool = True   # divide the top-k weights by their sum
     aux_loss_alpha: float = 0.0   # sequence-wise balance loss coefficient (0: off)
     bias_update_rate: float = 1e-3  # aux-loss-free balancing speed, for the train step
-    capacity_factor: float = 0.0  # expert parallelism: at most this x the even share per expert (0: dropless)
     # the rest
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # yarn | llama3 (core.layers.RopeScaling); None: plain RoPE
@@ -167,7 +165,7 @@ class Config:
                   f"grouped expert GEMM); try {getattr(self, key) + (-getattr(self, key)) % GROUPED_MM_MULTIPLE}")
         for key in ("rope_theta", "norm_eps", "init_std", "route_scale"):
             check(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
-        for key in ("aux_loss_alpha", "bias_update_rate", "capacity_factor", "mtp_depth", "mtp_loss_weight"):
+        for key in ("aux_loss_alpha", "bias_update_rate", "mtp_depth", "mtp_loss_weight"):
             check(getattr(self, key) >= 0, key, f"must be >= 0, got {getattr(self, key)}")
 
     def _check_gqa(self):
@@ -286,46 +284,6 @@ def param_table(cfg: Config) -> PyTree:
     return table
 
 
-def init(cfg: Config, seed: int, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-         regions: dict | None = None) -> PyTree:
-    """Parameters from ``seed`` (deterministic; ``device="meta"`` allocates nothing). With
-    ``regions`` (``path -> slices``), only those parts, as a flat dict (``core.init.init_params``).
-
-    Example:
-        params = init(Config(), seed=0)
-        params["moe_layers"]["experts"]["w1"].shape  # torch.Size([2, 8, 64, 32])
-    """
-    return init_params(param_table(cfg), seed, device=device, dtype=dtype, regions=regions)
-
-
-def param_axes(cfg: Config) -> PyTree:
-    """Logical axis names of every parameter dim, in the params' tree structure.
-
-    Example:
-        param_axes(Config())["moe_layers"]["experts"]["w1"]  # ("layers", "expert", "embed", "expert_mlp")
-    """
-    return axes_of(param_table(cfg))
-
-
-def param_counts(cfg: Config) -> dict[str, int]:
-    """``{"total", "active"}`` from shapes only.
-
-    ``active`` counts what one token touches: every non-expert parameter (embedding and output
-    head both, attention, norms, routers, dense and shared FFNs) plus ``top_k`` of the
-    ``n_experts`` routed experts in each MoE layer. Both count the multi-token-prediction
-    modules (``mtp_depth``) too, whose embedding and head are the main model's, counted once.
-
-    Example:
-        param_counts(deepseek_v3)  # {"total": ~671e9, "active": ~37.5e9}
-    """
-    table = param_table(cfg)
-    total = count_params(table)
-    routed = count_params(table["moe_layers"]["experts"])
-    if cfg.mtp_depth:
-        routed += count_params(table["mtp"]["block"]["experts"])
-    return {"total": total, "active": total - routed + routed * cfg.top_k // cfg.n_experts}
-
-
 # ----------------------------------------------------------------------------- facts for the layers above
 
 
@@ -353,7 +311,20 @@ def pipeline_refusal(cfg: Config) -> tuple[str, str] | None:
     """
     if cfg.mtp_depth:
         return ("model.mtp_depth", f"{cfg.mtp_depth}: the multi-token-prediction modules do not run in pipeline "
-                                   f"stages yet; set model.mtp_depth=0 or mesh.pp=1")
+                                   f"stages yet; set model.mtp_depth=0")
+    return None
+
+
+def context_refusal(cfg: Config) -> tuple[str, str] | None:
+    """``(config key, why)`` when the model cannot take its tokens reordered (``batch["positions"]``):
+    multi-token prediction shifts the tokens in order.
+
+    Example:
+        context_refusal(Config(mtp_depth=1))[0]  # "model.mtp_depth"
+    """
+    if cfg.mtp_depth:
+        return ("model.mtp_depth", f"{cfg.mtp_depth}: multi-token prediction shifts the tokens in order; "
+                                   f"set model.mtp_depth=0")
     return None
 
 
@@ -365,36 +336,6 @@ def with_layers(cfg: Config, counts: dict) -> Config:
     """
     dense = counts.get("dense_layers", 0)
     return dataclasses.replace(cfg, first_k_dense=dense, n_layers=dense + counts.get("moe_layers", 0))
-
-
-def layout_units(cfg: Config) -> dict[str, tuple[str, int]]:
-    """Logical axes that split only in whole units: ``axis -> (config key, count)``.
-
-    Example:
-        layout_units(Config())["expert"]  # ("n_experts", 8)
-    """
-    units = {"heads": ("n_heads", cfg.n_heads), "expert": ("n_experts", cfg.n_experts)}
-    if cfg.attention == "gqa":
-        units["kv_heads"] = ("n_kv_heads", cfg.n_kv_heads)
-    return units
-
-
-def active_fraction(cfg: Config) -> dict[str, float]:
-    """Logical axis -> the share of it one token uses: ``top_k`` of the routed experts.
-
-    Example:
-        active_fraction(Config())  # {"expert": 0.25}
-    """
-    return {"expert": cfg.top_k / cfg.n_experts}
-
-
-def experts_per_token(cfg: Config) -> int:
-    """Routed experts each token visits per MoE layer (the expert-parallel exchange's fan-out).
-
-    Example:
-        experts_per_token(Config())  # 2
-    """
-    return cfg.top_k
 
 
 def attention_shape(cfg: Config) -> tuple[int, int, int]:
@@ -565,28 +506,8 @@ def moe_block(p: PyTree, h: torch.Tensor, cos, sin, cfg: Config, experts=None,
     ``experts`` runs the routed experts (``core.moe.moe_layer``'s ``routed_fn``; None: this device).
     ``positions`` ``[B, S]``: the tokens' positions when they are not in order (``llama.apply``)."""
     h = h + _attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, positions)
-    p, experts = shared_behind_dispatch(p, experts)
     y, aux = moe.moe_layer(p, L.rms_norm(h, p["mlp_norm"], cfg.norm_eps), cfg, routed_fn=experts)
     return h + y, aux                                                            # [B, S, D]
-
-
-def shared_behind_dispatch(p: PyTree, experts=None) -> tuple[PyTree, object]:
-    """``(p, experts)`` for ``core.moe.moe_layer``, with the shared experts handed to ``experts``
-    when it takes them (``experts.takes_shared``: an expert-parallel region, which issues the
-    dispatch all-to-all first and computes the shared experts while it is in flight, then adds
-    their output after the routed one, as ``moe_layer`` does); otherwise unchanged.
-
-        p, routed = shared_behind_dispatch(p, experts)
-        y, aux = moe.moe_layer(p, x, cfg, routed_fn=routed)
-    """
-    if experts is None or "shared" not in p or not getattr(experts, "takes_shared", False):
-        return p, experts
-    s = p["shared"]
-
-    def routed_then_shared(x, indices, weights, w1, w2, w3):
-        return experts(x, indices, weights, w1, w2, w3, s["w1"], s["w2"], s["w3"])
-
-    return {k: v for k, v in p.items() if k != "shared"}, routed_then_shared
 
 
 def _hidden(params: PyTree, tokens: torch.Tensor, cfg: Config, experts=None, positions=None):
@@ -685,7 +606,7 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[B, S, vocab]`` for ``tokens [B, S]`` int64.
 
     Example:
-        logits = apply(init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())  # [2, 16, 256]
+        logits = apply(models.get("moe").init(Config(), 0), torch.zeros(2, 16, dtype=torch.long), Config())
     """
     return apply_with_aux(params, tokens, cfg)[0]
 
@@ -723,17 +644,8 @@ def loss_and_aux(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> t
         return ce + aux["balance_loss"], {**aux, "ce_loss": ce.detach()}
     if "positions" in batch:
         raise ValueError("model.mtp_depth > 0 reads the tokens in order (depth k shifts them by k), but the batch "
-                         "has reordered tokens (batch['positions'], mesh.cp > 1); set model.mtp_depth=0 or mesh.cp=1")
+                         "has reordered tokens (batch['positions']); set model.mtp_depth=0")
     logits, depths, aux = apply_with_mtp(params, batch["inputs"], cfg, experts=experts)
     ce, mtp = cross_entropy(logits, batch["targets"]), mtp_loss(depths, batch["targets"])
     value = ce + aux["balance_loss"] + cfg.mtp_loss_weight * mtp
     return value, {**aux, "ce_loss": ce.detach(), "mtp_loss": mtp.detach()}
-
-
-def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
-    """The training loss of :func:`loss_and_aux`, alone.
-
-    Example:
-        loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
-    """
-    return loss_and_aux(params, batch, cfg, experts=experts)[0]

@@ -24,7 +24,9 @@ from typing import Any, Mapping
 import optree
 import torch
 
+from shardfn import models
 from shardfn.core.pytree import flatten_with_paths
+from shardfn.models.contract import PARAM_AXES
 from shardfn.partition.errors import LayoutError
 from shardfn.partition.spec import P, entry_axes, specs_from_rules
 
@@ -45,12 +47,9 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 """``partition.bucket_bytes``' default: PyTorch DDP's 25 MiB bucket (``bucket_cap_mb``). Used by
 the gradient bucketing pass (``partition.bucket``); kept here so a config loads without it."""
 
-LOGICAL_AXES = (
-    "batch", "seq",  # activations
-    "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp",
-    "expert", "expert_mlp", "q_lora", "kv_lora", "layers", "norm",
-)
-"""Logical axis names that rules may map (see docs/architecture.md)."""
+LOGICAL_AXES = ("batch", "seq", *PARAM_AXES)
+"""Logical axis names that rules may map: the activations' ``batch`` and ``seq``, and every name a
+parameter dim may carry (``models.contract.PARAM_AXES``; docs/models.md)."""
 
 DEFAULT_RULES: dict[str, Any] = {
     "batch": list(DATA_AXES),  # the global batch is split over every data-parallel axis
@@ -243,9 +242,17 @@ def check_model(model, model_cfg, axes: Mapping[str, int], rules: Mapping | None
     Example:
         check_model(moe, cfg, {"ep": 3})   # LayoutError: mesh.ep: 3 does not divide model.n_experts = 8; ...
     """
+    model = models.get(model)
     rules = resolve_rules(rules, axes)
-    check_stages(model_cfg.n_layers, axes.get("pp", 1), n_stages)
-    for logical, (key, count) in model.layout_units(model_cfg).items():
+    check_stages(sum(n for _, n in model.stacks(model_cfg)), axes.get("pp", 1), n_stages)
+    units = model.layout_units(model_cfg)
+    expert_axes = [n for n in entry_axes(rules.get("expert")) if axes.get(n, 1) > 1]
+    if expert_axes and "expert" not in units:
+        name = expert_axes[-1]
+        raise LayoutError(f"mesh.{name}", f"{axes[name]}, but model {model.name!r} has no parameter dim on the "
+                                          f"logical axis 'expert', so there are no experts to split; give the "
+                                          f"experts' dim the axis 'expert' in its param_table, or set mesh.{name}=1")
+    for logical, (key, count) in units.items():
         names = [n for n in entry_axes(rules.get(logical)) if axes.get(n, 1) > 1]
         check_divides(names, axes, key, count)
     specs = param_specs(model.param_axes(model_cfg), rules, axes)
@@ -271,6 +278,7 @@ def check_run(model, cfg) -> None:
     Example:
         check_run(moe, load_config("moe_tiny", ["mesh.pp=4"]))   # LayoutError: mesh.pp: 4 pipeline stages ...
     """
+    model = models.get(model)
     from shardfn.partition.schedules import get_schedule, stages_per_rank
 
     axes = cfg.mesh.axes()
@@ -282,7 +290,8 @@ def check_run(model, cfg) -> None:
     n_stages = None
     refusal = model.pipeline_refusal(cfg.model) if pp > 1 else None
     if refusal is not None:
-        raise LayoutError(*refusal)
+        key, why = refusal
+        raise LayoutError(key, f"{why}, or mesh.pp=1 (mesh.pp = {pp} splits the model into pipeline stages)")
     if pp > 1:
         try:
             n_stages = get_schedule(p.schedule, pp, p.microbatches, stages_per_rank(p.schedule, pp, p.stages)).n_stages
@@ -327,13 +336,20 @@ def check_context(model, cfg, axes: Mapping[str, int], rules: Mapping) -> None:
     Example:
         check_context(llama, load_config("llama_tiny", ["mesh.cp=2", "train.seq_len=6"]), ...)   # train.seq_len ...
     """
+    model = models.get(model)
     split = seq_split(rules, axes)
     if split == 1:
         return
     check_seq(cfg.train.seq_len, split)
-    if getattr(cfg.model, "mtp_depth", 0):
-        raise LayoutError("mesh.cp", f"{split} with model.mtp_depth = {cfg.model.mtp_depth}: multi-token "
-                                     f"prediction shifts the tokens in order; use mesh.cp=1 or model.mtp_depth=0")
+    refusal = model.context_refusal(cfg.model)
+    if refusal is not None:
+        key, why = refusal
+        raise LayoutError("mesh.cp", f"{split} with {key} = {why}, or use mesh.cp=1")
+    if not model.reads_positions():
+        raise LayoutError("mesh.cp", f"{split} reorders each sequence's tokens and passes their positions as "
+                                     f"batch['positions'], which model {model.name!r} does not read; take "
+                                     f"batch.get('positions') into its attention (core.layers.rope_at), or use "
+                                     f"mesh.cp=1")
 
 
 def reshard_after_forward(cfg) -> bool:

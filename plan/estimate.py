@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from shardfn import models
 from shardfn.partition.cost import Rates
 from shardfn.partition.hardware import Hardware, load_hardware
 from shardfn.partition.layouts import AXIS_ORDER
@@ -150,7 +151,7 @@ def profile_key(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> tupl
 
     run = run_config(cfg, dtype, layout.checkpointing)
     rows = run.train.batch_size // layout.data_size // layout.microbatches
-    full = layout.pp == 1 and run.model.n_layers <= FULL_TRACE_MAX_LAYERS
+    full = layout.pp == 1 and models.get(run.model_name).layer_count(run.model) <= FULL_TRACE_MAX_LAYERS
     return _profile_key(run, layout.axes(include_pp=False), rows, torch.float32, full)
 
 
@@ -191,17 +192,17 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     check_layout(cfg, layout, gpus=gpus)
     hw = load_hardware(hardware)
     model, mcfg = models.get(cfg.model_name), cfg.model
-    tied = mcfg.tie_embeddings
+    tied = model.ties_embeddings(mcfg)
     leaves = mesh_leaves(model, mcfg, layout.axes(), cfg.rules, dtype)
     facts = model_facts(model, mcfg, leaves)
     itemsize = torch.empty((), dtype=compute).element_size()  # activations and exchanges
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
     tokens_mb = rows * cfg.train.seq_len // layout.cp       # tokens of one microbatch on one rank
-    input_bytes = tokens_mb * mcfg.dim * itemsize           # one [mb, seq, dim] activation
-    ep_bytes = tokens_mb * facts.top_k * mcfg.dim * itemsize  # one exchange's buffer
+    input_bytes = tokens_mb * model.embed_dim(mcfg) * itemsize           # one [mb, seq, dim] activation
+    ep_bytes = tokens_mb * facts.top_k * model.embed_dim(mcfg) * itemsize  # one exchange's buffer
 
     if full_trace is None:
-        full_trace = layout.pp == 1 and mcfg.n_layers <= FULL_TRACE_MAX_LAYERS
+        full_trace = layout.pp == 1 and model.layer_count(mcfg) <= FULL_TRACE_MAX_LAYERS
     if full_trace and layout.pp > 1:
         raise PlanError("mesh.pp", "a whole-model trace has no stages; plan pp > 1 with full_trace=False")
     prof = profile(cfg, layout.axes(include_pp=False), rows, dtype=dtype, full=full_trace, cache=profiles,
@@ -210,7 +211,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     stage_saved, stage_comm = zip(*[_stage_mb(prof, s) for s in stages])
     n_layers = [sum(s.counts.values()) for s in stages]
     if prof.full:  # the base holds every layer; checkpointing keeps each layer's input only
-        layer_saved = {k: prof.base[0] // mcfg.n_layers for k, _ in model.stacks(mcfg)}
+        layer_saved = {k: prof.base[0] // model.layer_count(mcfg) for k, _ in model.stacks(mcfg)}
         ckpt_saved = [n * input_bytes for n in n_layers]
     else:
         layer_saved = {k: s for k, (s, _) in prof.per_layer.items()}
@@ -221,7 +222,7 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
     memory = memory_bytes(cfg, layout, dtype=dtype)
     # a small model under pp: its real stage programs, lowered on a fake mesh, give each rank's
     # bytes and collectives exactly (the run reports the same numbers)
-    pipeline = lower_pipeline(cfg, layout, dtype=dtype) if layout.pp > 1 and _exact_pipeline(mcfg) else None
+    pipeline = lower_pipeline(cfg, layout, dtype=dtype) if layout.pp > 1 and _exact_pipeline(model, mcfg) else None
     ranks, rank_comm = [], []
     for r, (share, owned) in enumerate(zip(rank_shares(model, cfg, layout, dtype), rank_stages(layout))):
         mb_comm = {}
@@ -307,9 +308,9 @@ def run_config(cfg, dtype: torch.dtype = torch.float32, checkpointing: bool | No
     return cfg if train is cfg.train else dataclasses.replace(cfg, train=train)
 
 
-def _exact_pipeline(model_cfg) -> bool:
+def _exact_pipeline(model, model_cfg) -> bool:
     """Small enough to lower every stage's real programs when planning."""
-    return model_cfg.n_layers <= FULL_TRACE_MAX_LAYERS
+    return model.layer_count(model_cfg) <= FULL_TRACE_MAX_LAYERS
 
 
 def _pipeline_rows(rows: list[dict]) -> list[dict]:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import optree
 import torch
 
+from shardfn import models
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.layouts import param_specs, resolve_rules
 from shardfn.partition.spec import P, shard_shape
@@ -46,6 +47,7 @@ class Leaf:
 
 def meta_params(model, model_cfg, dtype: torch.dtype):
     """The model's parameter tree on the meta device: shapes and dtypes, nothing allocated."""
+    model = models.get(model)
     return model.init(model_cfg, 0, device="meta", dtype=dtype)
 
 
@@ -55,6 +57,7 @@ def mesh_leaves(model, model_cfg, axes: Mapping[str, int], rules: dict | None, d
     Example:
         [leaf.local for leaf in meshmesh_leaves(llama, cfg, {"tp": 2}, None, torch.float32)][:2]
     """
+    model = models.get(model)
     sizes = {a: s for a, s in axes.items() if a != "pp"}
     specs = param_specs(model.param_axes(model_cfg), resolve_rules(rules, sizes), sizes)
     params = meta_params(model, model_cfg, dtype)
@@ -80,7 +83,7 @@ def stage_ranges(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> lis
     Example:
         stage_ranges(load_config("deepseek_v3_671b"), Layout(pp=16, microbatches=32))[:2]
     """
-    n_layers = cfg.model.n_layers
+    n_layers = models.get(cfg.model_name).layer_count(cfg.model)
     if layout.n_stages == 1:
         return [(0, n_layers)]
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
@@ -146,6 +149,7 @@ class RankShare:
 
 def rank_shares(model, cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[RankShare]:
     """What each pipeline rank holds (layers per stack; embedding; head), from the stage split."""
+    model = models.get(model)
     model_cfg = cfg.model
     stacks = model.stacks(model_cfg)
     ranges = stage_ranges(cfg, layout, dtype)
@@ -206,6 +210,7 @@ _META_STATES: dict = {}
 def _meta_state(cfg, model, dtype: torch.dtype):
     """The meta parameters and the optimizer state ``init`` makes of them: the same for every
     layout of a config, so kept for the last few configs (a search asks for each mesh)."""
+    model = models.get(model)
     key = (cfg.model_name, repr(cfg.model), repr(cfg.train), dtype)
     if key not in _META_STATES:
         if len(_META_STATES) >= 4:
@@ -229,7 +234,7 @@ def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> 
     model = models.get(cfg.model_name)
     leaves = mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, dtype)
     by_path = {leaf.path: leaf for leaf in leaves}
-    tied = cfg.model.tie_embeddings
+    tied = model.ties_embeddings(cfg.model)
     params, state = _meta_state(cfg, model, dtype)
     out = []
     for share in rank_shares(model, cfg, layout, dtype):
@@ -266,6 +271,7 @@ def model_facts(model, model_cfg, leaves: Sequence[Leaf]) -> ModelFacts:
     """What the FLOP estimate needs, from the leaves' shapes and the model's own facts
     (``model.stacks``, ``model.active_fraction``, ``model.attention_shape``,
     ``model.experts_per_token``)."""
+    model = models.get(model)
     stacks = dict(model.stacks(model_cfg))
     params, active = {k: 0 for k in stacks}, {k: 0 for k in stacks}
     embed = head = 0
@@ -283,11 +289,13 @@ def model_facts(model, model_cfg, leaves: Sequence[Leaf]) -> ModelFacts:
     heads, qk, v = model.attention_shape(model_cfg)
     # forward QK^T and AV: 2 * S * H * (qk + v) per token, halved for the causal mask; x3 with backward
     attn = 3.0 * heads * (qk + v)
-    return ModelFacts(stacks, params, active, embed, head, attn, model_cfg.dim, model.experts_per_token(model_cfg))
+    return ModelFacts(stacks, params, active, embed, head, attn, model.embed_dim(model_cfg),
+                      model.experts_per_token(model_cfg))
 
 
 def stage_shares(model, cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[RankShare]:
     """One share per stage (not per rank), for per-stage activations and compute."""
+    model = models.get(model)
     out, stacks = [], model.stacks(cfg.model)
     ranges = stage_ranges(cfg, layout, dtype)
     for s, (lo, hi) in enumerate(ranges):

@@ -158,7 +158,9 @@ def check_pipeline(cfg, layout: Layout) -> None:
     """The stages fit the layers, and the schedule exists and runs these microbatches."""
     if layout.schedule not in SCHEDULES:
         raise PlanError("pipeline.schedule", f"unknown schedule {layout.schedule!r}; valid: {', '.join(SCHEDULES)}")
-    check_stages(cfg.model.n_layers, layout.pp, layout.n_stages)
+    from shardfn import models
+
+    check_stages(models.get(cfg.model_name).layer_count(cfg.model), layout.pp, layout.n_stages)
     if layout.microbatches < 1:
         raise PlanError("pipeline.microbatches", f"must be >= 1, got {layout.microbatches}")
     if layout.pp > 1:

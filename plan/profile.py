@@ -336,7 +336,7 @@ def profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype = tor
     axes = mesh_axes(axes, include_pp=False)
     stacks = models.get(cfg.model_name).stacks(cfg.model)
     if full is None:
-        full = cfg.model.n_layers <= FULL_TRACE_MAX_LAYERS
+        full = models.get(cfg.model_name).layer_count(cfg.model) <= FULL_TRACE_MAX_LAYERS
     key = _profile_key(cfg, axes, rows, dtype, full)
     if cache is not None and key in cache:
         return cache[key]
@@ -404,7 +404,7 @@ def saved_profile(cfg, axes: Mapping[str, int], rows: int, *, dtype: torch.dtype
     model = models.get(cfg.model_name)
     stacks = model.stacks(cfg.model)
     if full is None:
-        full = cfg.model.n_layers <= FULL_TRACE_MAX_LAYERS
+        full = models.get(cfg.model_name).layer_count(cfg.model) <= FULL_TRACE_MAX_LAYERS
     key = ("saved", *_profile_key(cfg, axes, rows, dtype, full))
     if cache is not None and key in cache:
         return cache[key]

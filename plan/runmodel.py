@@ -188,9 +188,9 @@ def model_shape(cfg, layout: Layout) -> Shape:
         mm[leaf.stack].append(MatMul(leaf.path, dims[-2], dims[-1], leaf.active * experts if experts > 1 else 1.0,
                                      experts, leaf.axes[-2], leaf.axes[-1], lper))
     heads, qk, v = model.attention_shape(mcfg)
-    return Shape(stacks, mm, norms, local, glob, gathered, embed, head, embed_local, head_local, head_fsdp, mcfg.dim,
-                 mcfg.vocab_size, 3.0 * heads * (qk + v), heads * v, model.experts_per_token(mcfg), n_experts,
-                 model.kv_width(mcfg))
+    return Shape(stacks, mm, norms, local, glob, gathered, embed, head, embed_local, head_local, head_fsdp,
+                 model.embed_dim(mcfg), model.vocab_size(mcfg), 3.0 * heads * (qk + v), heads * v,
+                 model.experts_per_token(mcfg), n_experts, model.kv_width(mcfg))
 
 
 # ============================================================================ memory terms

@@ -144,12 +144,12 @@ def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[
     tokens_mb = rows * cfg.train.seq_len // layout.cp
     stages = stage_shares(model, cfg, layout)  # the plan's split (fp32 master weights)
     held_layers, _, _ = inflight(layout, [sum(s.counts.values()) for s in stages])
-    input_bytes = tokens_mb * mcfg.dim * itemsize
+    input_bytes = tokens_mb * model.embed_dim(mcfg) * itemsize
     peak = max(s["params"] + s["grads"] + s["opt_state"] + h * input_bytes for s, h in zip(static, held_layers))
-    tied = mcfg.tie_embeddings
+    tied = model.ties_embeddings(mcfg)
     fsdp = [_fsdp_comm(leaves, share, layout, tied) for share in stages]
     t = step_time(cfg, layout, hw, facts, stages, [mb for mb, _ in fsdp], [step for _, step in fsdp] or [{}],
-                   tokens_mb, tokens_mb * facts.top_k * mcfg.dim * itemsize, input_bytes, dtype, p2p=False)
+                   tokens_mb, tokens_mb * facts.top_k * model.embed_dim(mcfg) * itemsize, input_bytes, dtype, p2p=False)
     return peak, t["step_s"]
 
 
@@ -168,21 +168,22 @@ def _traced_peak_bound(cfg, layout: Layout, dtype, static: list[dict], leaves: S
     model, mcfg = models.get(cfg.model_name), cfg.model
     run = run_config(cfg, dtype, layout.checkpointing)
     rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    input_bytes = rows * cfg.train.seq_len // layout.cp * mcfg.dim * torch.empty((), dtype=dtype).element_size()
-    full = layout.pp == 1 and mcfg.n_layers <= FULL_TRACE_MAX_LAYERS  # as make_plan traces it
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    input_bytes = rows * cfg.train.seq_len // layout.cp * model.embed_dim(mcfg) * itemsize
+    full = layout.pp == 1 and model.layer_count(mcfg) <= FULL_TRACE_MAX_LAYERS  # as make_plan traces it
     ranks = layout.world_size // layout.pp
     low = saved_profile(run, layout.axes(include_pp=False), rows, full=full, cache=cache)
     stages = stage_shares(model, cfg, layout)
     if low.full:
         stage_low = [low.base // ranks]
-        layer_low = {k: low.base // mcfg.n_layers // ranks for k, _ in model.stacks(mcfg)}
+        layer_low = {k: low.base // model.layer_count(mcfg) // ranks for k, _ in model.stacks(mcfg)}
     else:
         layer_low = {k: max(0, b) // ranks for k, b in low.per_layer.items()}
         stage_low = [sum(n * layer_low[k] for k, n in s.counts.items()) + (max(0, low.base) // ranks if s.last else 0)
                      for s in stages]
     stage_low = [max(lo, sum(s.counts.values()) * input_bytes) for lo, s in zip(stage_low, stages)]
     held, _, _ = inflight(layout, stage_low)
-    tied = mcfg.tie_embeddings
+    tied = model.ties_embeddings(mcfg)
     peak = max(st["params"] + st["grads"] + st["opt_state"] + h + _transient(leaves, share, layer_low, layout, tied)
                for st, h, share in zip(static, held, rank_shares(model, cfg, layout)))
     return peak

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from shardfn import models
 from shardfn.core.pytree import PyTree
 from shardfn.core.regional import with_compiled_layers
 from shardfn.partition.remat import rematerialized
@@ -36,6 +37,7 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
     Example:
         step = build_step(cfg, llama, params)
     """
+    model = models.get(model)
     if cfg.mesh.pp > 1:
         from shardfn.runtime.pipeline_step import pipeline_step
 
@@ -57,6 +59,7 @@ def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
     Example:
         step = device_step(cfg, llama, make_optimizer(cfg.train, llama))
     """
+    model = models.get(model)
     fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip",
                          precision=precision_policy(cfg.train))
     if cfg.train.remat != "none":  # the step's traced joint graph, rewritten by the remat pass

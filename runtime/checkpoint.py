@@ -462,7 +462,7 @@ def run_directory(cfg) -> str:
     """
     if cfg.train.checkpoint.dir is not None:
         return cfg.train.checkpoint.dir
-    name = Path(cfg.source).stem if cfg.source else cfg.model_name
+    name = Path(cfg.source).stem if cfg.source else cfg.model_name.removesuffix(".py").replace("/", ".").rsplit(".")[-1]
     return f"{RUNS_DIR}/{name}-{run_id(cfg.to_dict())}"
 
 

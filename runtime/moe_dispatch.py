@@ -434,12 +434,18 @@ class ExpertRegion:
             dx, dweights, *dw = grads
             return (dx, None, dweights, *dw)
 
-        in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if shared else ())
-        self._region = local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward,
-                                 records=self.exchange, flops=_region_flops)
+        def region(with_shared: bool):
+            in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if with_shared
+                                                                                        else ())
+            return local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward,
+                             records=self.exchange, flops=_region_flops)
+
+        self._regions = {6: region(False)}  # by argument count: a layer without shared experts passes 6
+        if shared:
+            self._regions[9] = region(True)
 
     def __call__(self, *args):
-        return self._region(*args)[0]
+        return self._regions[len(args)](*args)[0]
 
 
 def _region_flops(x, idx, weights, w1, w2, w3, *shared) -> float:

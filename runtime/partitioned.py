@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
+from shardfn import models
 from shardfn.core import optim
 from shardfn.core.pytree import tree_map
 from shardfn.partition.context import balanced_batch
@@ -73,6 +74,7 @@ def constrained(inner: optim.GradientTransformation, specs: Any,
 
 def layout(cfg, model, params, opt_state, mesh) -> dict[str, Any]:
     """The specs of a run: ``params``, ``opt_state``, ``batch``, and the resolved ``rules``."""
+    model = models.get(model)
     rules = resolve_rules(cfg.rules, mesh.axes)
     pspecs = param_specs(model.param_axes(cfg.model), rules, mesh.axes)
     return {
@@ -96,13 +98,15 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         step = mesh_step(cfg, llama, make_optimizer(cfg.train, llama), params, mesh_from_config(cfg))
         params, opt_state = step.place(params)
     """
+    model = models.get(model)
     from shardfn.runtime.train_step import make_train_step, precision_policy
 
     specs = layout(cfg, model, params, optimizer.init(params), mesh)
     skip = cfg.train.nonfinite == "skip"  # the torch.where over params and state is traced and partitioned too
     policy = precision_policy(cfg.train)
     reduce_dtype = policy.reduce_dtype if policy.reduce_dtype != policy.param_dtype else None
-    experts = expert_region(model, cfg.model, mesh, specs, chunks=cfg.partition.ep_chunks)
+    experts = expert_region(model, cfg.model, mesh, specs, chunks=cfg.partition.ep_chunks,
+                            capacity_factor=cfg.partition.capacity_factor)
     train_step = make_train_step(model, cfg.model, constrained(optimizer, specs["params"], reduce_dtype),
                                  skip_nonfinite=skip, experts=experts, precision=policy)
     if backend == "default":
@@ -206,17 +210,20 @@ def distribute(tree: Any, specs: Any, mesh) -> Any:
     return optree.tree_unflatten(treedef, out)
 
 
-def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1):
+def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1, capacity_factor: float = 0.0):
     """How an MoE model's routed experts run on ``mesh`` (``model.loss_and_aux``'s ``experts``):
     a per-rank region with an all-to-all exchange over ``ep`` when ``mesh.ep > 1``, else each
     rank's own tokens through whole experts. None for a model without experts
     (``model.layout_units`` has no ``expert``) or a batch that is not split. ``chunks``
     (``partition.ep_chunks``): the exchange in that many token groups, overlapped with the
-    experts' compute.
+    experts' compute; ``capacity_factor`` (``partition.capacity_factor``): at most this times the
+    even share of tokens per expert (0: dropless). A model's shared experts, when its MoE layer
+    has any, run while the exchange is in flight (``core.moe.moe_layer``).
 
     Example:
         loss = model.loss(params, batch, cfg.model, experts=expert_region(model, cfg.model, mesh, specs))
     """
+    model = models.get(model)
     units = model.layout_units(model_cfg)
     batch = specs["batch"]
     # the batch dim's axes: the region takes each data rank's tokens whole (gathered over cp,
@@ -229,9 +236,7 @@ def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1):
 
     n_experts = units["expert"][1]
     if mesh.axes.get("ep", 1) > 1:
-        shared = getattr(model_cfg, "n_shared_experts", 0) > 0
-        # with shared experts, the layer hands them to the region, which runs them while the dispatch is in flight
-        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, model_cfg.capacity_factor, shared=shared,
+        return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, capacity_factor, shared=True,
                                          chunks=chunks)
     return moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from shardfn import models
 from shardfn.core.registry import Registry
 
 
@@ -46,6 +47,7 @@ def expert_layout(model, model_cfg) -> ExpertLayout | None:
 
         expert_layout(moe, cfg.model).dims  # {"moe_layers.experts.w1": 1, ...}
     """
+    model = models.get(model)
     from shardfn.core.pytree import flatten_with_paths
 
     units = model.layout_units(model_cfg)
@@ -186,14 +188,17 @@ def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = Non
     return routed
 
 
-def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None) -> Callable:
+def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None, *,
+               capacity_factor: float = 0.0) -> Callable:
     """``loss_fn(params, batch)`` for :func:`~shardfn.partition.stages.build_pipeline`: the
     model's loss with its MoE layers counted into ``recorder`` and run as the stage's ``mesh``
     runs them (an expert-parallel exchange with ``mesh.ep > 1``); ``batch`` is the batch spec
     on that mesh. Without a mesh (or on one device) everything runs in the stage's programs.
+    ``capacity_factor``: ``partition.capacity_factor`` (:func:`~shardfn.runtime.partitioned.expert_region`).
 
         pipe = build_pipeline(stage_loss(moe, cfg.model, Recorder(), mesh, P("ep")), params, microbatch, 2)
     """
+    model = models.get(model)
     layout = expert_layout(model, model_cfg)
     if layout is None:
         return lambda params, batch: model.loss(params, batch, model_cfg)
@@ -201,7 +206,7 @@ def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None) -> C
     if mesh is not None and mesh.size > 1:
         from shardfn.runtime.partitioned import expert_region
 
-        experts = expert_region(model, model_cfg, mesh, {"batch": batch})
+        experts = expert_region(model, model_cfg, mesh, {"batch": batch}, capacity_factor=capacity_factor)
         tokens = batch
 
     def loss_fn(params, microbatch):

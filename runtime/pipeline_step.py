@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from shardfn import models
 from shardfn.core import _torch_private as private
 from shardfn.core import optim
 from shardfn.core.precision import with_policy
@@ -511,6 +512,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
         params_local = step.scatter(params); opt_state = step.optimizer.init(params_local)
         params_local, opt_state, metrics = step(params_local, opt_state, batch)
     """
+    model = models.get(model)
     import shardfn as sf
     from shardfn.core.pytree import tree_flatten
     from shardfn.partition.layouts import (
@@ -546,7 +548,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     experts = pipeline_experts.expert_layout(model, cfg.model)
     recorder = pipeline_experts.Recorder() if experts is not None else None
     loss_fn = pipeline_experts.stage_loss(model, cfg.model, recorder, stage_mesh if stage_mesh.size > 1 else None,
-                                          batch)
+                                          batch, capacity_factor=cfg.partition.capacity_factor)
     loss_fn = with_policy(loss_fn, precision_policy(cfg.train))  # stages compute (and send) in its dtype
     with mesh_scope(stage_mesh if stage_mesh.size > 1 else None):
         example = {"inputs": tokens, "targets": tokens}
@@ -583,6 +585,7 @@ def pipeline_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
         step = pipeline_step(cfg, llama, params)
         local, opt_state = step.place(source)      # a full tree, or source(regions) -> {path: tensor}
     """
+    model = models.get(model)
     pipe = build_pipeline_step(cfg, model, params, record=record)
     layout = pipe.layout
 

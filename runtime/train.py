@@ -20,6 +20,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
+from shardfn import models
 from shardfn.core.pytree import PyTree, count
 from shardfn.partition.mesh import local_device
 from shardfn.runtime import checkpoint, data, launch
@@ -196,6 +197,10 @@ def first_step_work(cfg) -> str | None:
         return None
     if cfg.train.compile == "whole" or cfg.train.remat != "none":
         return "compiling the whole step (train.compile)"
+    if not models.get(cfg.model_name).compiled_layer_fns():
+        return (f"compiling no model layer: model {cfg.model_name!r} marks no function with "
+                f"shardfn.core.regional.repeated, so only the optimizer update runs compiled; mark its layer "
+                f"function @repeated, or set train.compile=whole (train.compile)")
     return "compiling one layer, which every layer then runs (train.compile)"
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardfn import models
 from shardfn.core import optim
 from shardfn.core.precision import Policy, get_policy, with_policy
 from shardfn.core.pytree import PyTree, map_with_path, tree_map
@@ -57,6 +58,7 @@ def make_optimizer(train_cfg, model, *,
         opt = make_optimizer(load_config().train, llama)
         opt_state = opt.init(params)
     """
+    model = models.get(model)
     t = train_cfg
     schedule = optim.warmup_cosine(t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
     adamw = optim.adamw(schedule, t.b1, t.b2, t.eps, t.weight_decay, mask=trainable_mask(model.FROZEN))
@@ -111,6 +113,7 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
         step = make_train_step(llama, cfg.model, make_optimizer(cfg.train, llama))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
+    model = models.get(model)
     retain_freed_memory()
     loss_fn = lambda params, batch: model.loss_and_aux(params, batch, model_cfg, experts=experts)  # noqa: E731
     grad_fn = value_and_grad(with_policy(loss_fn, precision) if precision is not None else loss_fn, has_aux=True)

@@ -162,17 +162,15 @@ def peak_rss_increase(fn: Callable[[], object]) -> tuple[object, int]:
 def shared_experts_outside_exchange() -> Callable[[], None]:
     """Patches that restore the MoE layer's old order (the shared experts after the routed ones,
     outside the expert-parallel exchange), for comparing against it. Returns the undo."""
-    from shardfn.models import moe
     from shardfn.runtime import moe_dispatch
 
-    init, handover = moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch
+    init = moe_dispatch.ExpertRegion.__init__
 
-    def no_shared(self, *args, shared=False, **kwargs):
+    def no_shared(self, *args, shared=False, **kwargs):  # takes_shared false: core.moe.moe_layer runs them after
         init(self, *args, shared=False, **kwargs)
 
     moe_dispatch.ExpertRegion.__init__ = no_shared
-    moe.shared_behind_dispatch = lambda p, experts=None: (p, experts)
 
     def undo():
-        moe_dispatch.ExpertRegion.__init__, moe.shared_behind_dispatch = init, handover
+        moe_dispatch.ExpertRegion.__init__ = init
     return undo

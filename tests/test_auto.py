@@ -362,13 +362,12 @@ def test_models_never_worse_than_the_best_preset(clean_process_group, name, axes
 
 
 def _llama_tiny_step():
-    import sys
-
+    from shardfn import models
     from shardfn.config import load_config
     from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config("llama_tiny", ["train.batch_size=4", "train.seq_len=16"])
-    model = sys.modules[type(cfg.model).__module__]
+    model = models.get(cfg.model_name)
     params = model.init(cfg.model, 0)
     opt = make_optimizer(cfg.train, model)
     tokens = torch.randint(0, cfg.model.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))

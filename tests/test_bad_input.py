@@ -525,7 +525,7 @@ def test_hf_tensors(edit, message, llama_hf):
 def test_hf_unknown_model():
     from shardfn.models import hf
 
-    with pytest.raises(ValueError, match=r"no Hugging Face mapping for model 'gpt'; valid models: llama, moe"):
+    with pytest.raises(ValueError, match=r"unknown model 'gpt'; valid models: llama, moe"):
         hf.layout("gpt", load_config(None).model)
 
 

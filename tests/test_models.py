@@ -20,7 +20,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from shardfn import models
 from shardfn.core import moe as core_moe
 from shardfn.core.pytree import axes_leaves, paths, tree_leaves
-from shardfn.models import llama, moe
+
+llama, moe = models.get("llama"), models.get("moe")
 
 CONFIGS = Path(__file__).resolve().parent.parent / "examples" / "configs"
 AXIS_NAMES = {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "expert", "expert_mlp", "q_lora", "kv_lora",

@@ -276,7 +276,9 @@ def test_node_flops_of_a_local_map_region_is_its_own_count(count):
 
 
 def test_llama_tiny_split_matches_the_model():
-    llama = pytest.importorskip("shardfn.models.llama")
+    from shardfn import models
+
+    llama = models.get("llama")
     cfg = llama.Config(n_layers=2)
     params = llama.init(cfg, 0)
     g = torch.Generator().manual_seed(0)

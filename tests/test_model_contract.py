@@ -1,0 +1,250 @@
+"""A user's own model through the whole stack (models.contract, docs/models.md).
+
+``tests/tiny_dense.py`` is the smallest dense decoder (10 contract lines) and
+``examples/models/qwen_moe.py`` a model that is not one of the built-in families (QK-norm,
+softmax top-2 MoE, no shared experts). Both are named by their file, or by a registered name;
+both train on one device and on meshes of gloo ranks to the one-device curve (fp32, rtol 1e-5),
+and every case that used to misbehave silently is an error or a line that says so.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardfn import models
+from shardfn.config import config_from_dict, load_config
+from shardfn.models.contract import ModelError
+from shardfn.partition.errors import LayoutError
+from shardfn.partition.layouts import check_run
+
+ROOT = Path(__file__).resolve().parent.parent
+DENSE = str(ROOT / "tests" / "tiny_dense.py")
+EXAMPLE = str(ROOT / "examples" / "models" / "qwen_moe.yaml")
+BASE = ["train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.warmup_steps=1", "train.log_every=100",
+        "train.checkpoint.every=0"]
+EXAMPLE_LAYOUTS = {"ep2": ["mesh.ep=2"], "tp2": ["mesh.tp=2"], "cp2": ["mesh.cp=2"],
+                   "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]}
+"""What the default suite trains the example on (one 2-rank spawn); the data-parallel layouts
+(``EXAMPLE_DATA_LAYOUTS``, covered for the dense model) run with ``-m slow``."""
+EXAMPLE_DATA_LAYOUTS = {"dp2": ["mesh.dp=2"], "fsdp2": ["mesh.fsdp=2"]}
+DENSE_LAYOUTS = {"dp2": ["mesh.dp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]}
+
+
+def dense_config(*overrides, name=DENSE):
+    return config_from_dict({"model": {"name": name}}, [*BASE, *overrides])
+
+
+def _losses(cfg) -> torch.Tensor:
+    from shardfn.runtime.train import train
+
+    return torch.tensor([r["loss"] for r in train(cfg, log=lambda line: None).history], dtype=torch.float64)
+
+
+def layouts_worker(cfg_dicts: list) -> list:
+    """Each run config trained in turn on this rank's process group: its losses."""
+    from shardfn.config import config_from_dict
+
+    return [_losses(config_from_dict(d)) for d in cfg_dicts]
+
+
+_RUNS: dict = {}
+
+
+def run_layouts(configs: dict) -> dict:
+    """``layouts_worker`` on 2 gloo ranks, once per session for each set of layouts; rank 0's losses."""
+    from shardfn.runtime.launch import spawn
+
+    key = tuple(configs)
+    if key not in _RUNS:
+        out = spawn(layouts_worker, 2, args=([c.to_dict() for c in configs.values()],), timeout_s=600)
+        _RUNS[key] = dict(zip(configs, out[0]))
+    return _RUNS[key]
+
+
+# ----------------------------------------------------------------------------- the open door
+
+
+def test_a_model_is_named_by_file_module_path_or_registered_name(tmp_path):
+    by_file = models.get(DENSE)
+    assert by_file.module.__file__ == DENSE and by_file.stacks(by_file.Config()) == [("layers", 2)]
+    assert models.get("shardfn.models.llama").module is models.get("llama").module
+    models.register("tiny_dense_by_name", DENSE)
+    cfg = config_from_dict({"model": {"name": "tiny_dense_by_name"}})
+    assert cfg.model_name == "tiny_dense_by_name" and cfg.model.dim == 32
+    import json
+    import os
+
+    assert json.loads(os.environ[models.REGISTRY_ENV])["tiny_dense_by_name"] == DENSE  # what spawned ranks read
+    # a relative .py in a YAML file is the file beside it
+    assert load_config(EXAMPLE).model_name == str(ROOT / "examples" / "models" / "qwen_moe.py")
+
+
+def test_an_unresolved_name_says_what_was_tried():
+    with pytest.raises(ValueError, match=r"model.name: unknown model 'nosuch.module'; valid models: llama, moe.* "
+                                         r"tried a registered name, a module path \(no module named 'nosuch'\)"):
+        config_from_dict({"model": {"name": "nosuch.module"}})
+    with pytest.raises(ValueError, match=r"unknown model 'gone.py'; .*tried a registered name, a \.py file \(no file "):
+        models.get("gone.py")
+
+
+def test_a_module_without_the_required_members_is_named(tmp_path):
+    (tmp_path / "half_model.py").write_text("class Config:\n    pass\n")
+    with pytest.raises(ModelError, match=r"model '.*half_model.py' \(.*\) does not define param_table, loss \(or "
+                                         r"loss_and_aux\)"):
+        models.get(str(tmp_path / "half_model.py"))
+
+
+# ----------------------------------------------------------------------------- the defaults
+
+
+def test_the_contract_derives_the_rest_from_the_table():
+    dense = models.get(DENSE)
+    c = dense.Config()
+    assert dense.param_counts(c) == {"total": 49312, "active": 49312}  # 2 x 256 x 32 + 32 + 2 x 16448
+    assert dense.layout_units(c) == {"heads": ("n_heads", 4)}
+    assert dense.attention_shape(c) == (4, 8, 8) and dense.kv_width(c) == 64
+    assert dense.FROZEN == () and dense.experts_per_token(c) == 0 and dense.pipeline_refusal(c) is None
+    assert dense.with_layers(c, {"layers": 1}).n_layers == 1
+    assert dense.param_axes(c)["layers"]["attn"]["wq"] == ("layers", "embed", "heads")
+    example = models.get(load_config(EXAMPLE).model_name)
+    e = example.Config()
+    assert example.layout_units(e) == {"heads": ("n_heads", 4), "kv_heads": ("n_kv_heads", 2),
+                                       "expert": ("n_experts", 4)}
+    assert example.active_fraction(e) == {"expert": 0.5} and example.experts_per_token(e) == 2
+    # every expert weight is 4 x 64 x 32 per layer, 3 of them, 2 layers: half of 49152 is inactive
+    assert example.param_counts(e) == {"total": 107392, "active": 107392 - 49152 // 2}
+    assert example.attention_shape(e) == (4, 16, 16) and example.kv_width(e) == 64
+
+
+def test_llama_and_moe_keep_their_numbers_through_the_defaults():
+    llama, moe = models.get("llama"), models.get("moe")
+    assert llama.param_counts(llama.Config()) == {"total": 155968, "active": 155968}
+    assert moe.param_counts(moe.Config()) == {"total": 241808, "active": 168080}
+    assert moe.layout_units(moe.Config()) == {"heads": ("n_heads", 4), "expert": ("n_experts", 8)}
+    assert moe.active_fraction(moe.Config()) == {"expert": 0.25}
+
+
+# ----------------------------------------------------------------------------- checked, not silent
+
+
+def test_an_unknown_logical_axis_names_the_parameter_the_axis_and_the_valid_names(tmp_path):
+    (tmp_path / "misspelt.py").write_text(Path(DENSE).read_text().replace('"wq": normal((D, D), ("embed", "heads"))',
+                                                                        '"wq": normal((D, D), ("embed", "head"))'))
+    cfg = dense_config(name=str(tmp_path / "misspelt.py"))
+    with pytest.raises(ModelError, match=r"parameter layers.attn.wq dim 2 has unknown logical axis 'head'; valid "
+                                         r"names: vocab, embed, heads, kv_heads, .*\(or None\)"):
+        check_run(models.get(cfg.model_name), cfg)
+
+
+def test_expert_parallelism_on_a_model_without_experts_is_an_error():
+    cfg = dense_config("mesh.ep=2")
+    with pytest.raises(LayoutError, match=r"mesh.ep: 2, but model '.*tiny_dense.py' has no parameter dim on the "
+                                          r"logical axis 'expert'.*or set mesh.ep=1"):
+        check_run(models.get(cfg.model_name), cfg)
+
+
+def test_a_sequence_split_on_a_model_that_ignores_positions_is_an_error():
+    cfg = dense_config("mesh.cp=2")
+    with pytest.raises(LayoutError, match=r"mesh.cp: 2 reorders each sequence's tokens and passes their positions "
+                                          r"as batch\['positions'\], which model '.*tiny_dense.py' does not read"):
+        check_run(models.get(cfg.model_name), cfg)
+
+
+def test_train_compile_says_when_it_compiles_no_model_layer():
+    from shardfn.runtime.train import first_step_work
+
+    assert first_step_work(dense_config("train.compile=true")).startswith(
+        f"compiling no model layer: model '{DENSE}' marks no function with shardfn.core.regional.repeated")
+    assert first_step_work(load_config(EXAMPLE, ["train.compile=true"])) == (
+        "compiling one layer, which every layer then runs (train.compile)")
+
+
+def test_export_without_hf_names_is_one_line(tmp_path, capsys):
+    from shardfn import cli
+
+    run, config = tmp_path / "run", tmp_path / "dense.yaml"
+    config.write_text(f"model: {{name: {DENSE}}}\n")
+    assert cli.main(["train", "--config", str(config), "train.steps=1", "train.batch_size=2", "train.seq_len=16",
+                     "train.checkpoint.every=1", f"train.checkpoint.dir={run}"]) == 0
+    capsys.readouterr()
+    code = cli.main(["export", "--checkpoint", str(run), "--out", str(tmp_path / "hf")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert f"model '{DENSE}' ({DENSE}) has no Hugging Face names: define hf_tensors(cfg)" in err
+
+
+# ----------------------------------------------------------------------------- trained on every layout
+
+
+def test_the_minimal_dense_model_trains_on_one_device_dp2_and_pp2():
+    models.register("tiny_dense_by_name", DENSE)  # the spawned ranks resolve the registered name
+    ref = _losses(dense_config(name="tiny_dense_by_name"))
+    assert ref[-1] < ref[0]
+    runs = run_layouts({k: dense_config(*v, name="tiny_dense_by_name") for k, v in DENSE_LAYOUTS.items()})
+    for name, losses in runs.items():
+        torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layouts", [pytest.param(EXAMPLE_LAYOUTS, id="ep2-tp2-cp2-pp2"),
+                                     pytest.param(EXAMPLE_DATA_LAYOUTS, id="dp2-fsdp2", marks=pytest.mark.slow)])
+def test_the_example_model_matches_one_device_on_every_layout(layouts):
+    ref = _losses(load_config(EXAMPLE, BASE))
+    assert ref[-1] < ref[0]
+    runs = run_layouts({k: load_config(EXAMPLE, [*BASE, *v]) for k, v in layouts.items()})
+    assert set(runs) == set(layouts)
+    for name, losses in runs.items():
+        torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# ----------------------------------------------------------------------------- parallelism out of model files
+
+
+def test_no_parallelism_words_in_model_files_and_no_config_fields_read_outside():
+    import re
+
+    for path in sorted((ROOT / "models").glob("*.py")) + [ROOT / "examples" / "models" / "qwen_moe.py"]:
+        text = path.read_text()
+        for word in ("mesh.", "takes_shared", "capacity_factor", "all_to_all"):
+            assert word not in text, f"{path.name} mentions {word!r}"
+    field_read = re.compile(r"\b(?:mcfg|model_cfg|cfg\.model)\.(?!model_name\b)[a-z_]+\b(?!\()")
+    for folder in ("partition", "runtime", "plan", "cli"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith(("#", '"', "'"))]
+            hits = [line.strip() for line in code if field_read.search(line.split("#")[0])]
+            assert not hits, f"{path.relative_to(ROOT)} reads a model Config field by name: {hits[0]}"
+
+
+def test_the_example_plans_at_a_100b_class_size(capsys):
+    from shardfn import cli
+
+    config = str(ROOT / "examples" / "models" / "qwen_moe_100b.yaml")
+    assert cli.main(["params", "--config", config]) == 0
+    assert capsys.readouterr().out.split() == ["total", "99.71B", "(99,706,355,712)", "active", "6.09B",
+                                               "(6,089,490,432)"]
+    assert cli.main(["plan", "--config", config, "mesh.fsdp=8", "mesh.ep=8"]) == 0
+    out = capsys.readouterr().out
+    assert "params: 99.71B total, 6.09B active per token" in out and "layers 0-47" in out and ": fits" in out
+
+
+def test_a_pipeline_split_blocked_by_a_per_layer_value_says_which_values_cross():
+    import warnings
+
+    from shardfn.partition.stages import build_pipeline
+
+    moe = models.get("moe")
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    messages = {}
+    for alpha in (0.0, 0.01):
+        cfg = moe.Config(n_layers=9, aux_loss_alpha=alpha)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            build_pipeline(lambda p, b: moe.loss(p, b, cfg), moe.init(cfg, 0), {"inputs": tokens, "targets": tokens},
+                           n_stages=2)
+        messages[alpha] = [str(w.message) for w in record if str(w.message).startswith("pipeline stages")]
+    assert messages[0.0] == []  # without the balance loss every layer boundary is a cut, and the split is even
+    (message,) = messages[0.01]
+    assert message.startswith("pipeline stages hold 22% / 78% of the cost, more than 10% off even: 7 of 8 layer "
+                              "boundaries are no valid cut (one activation crossing): before layer moe_layers.4, "
+                              "6 values cross: ")
+    assert "(mul.Tensor, shape [])" in message and "an auxiliary loss summed after the last layer" in message
