@@ -67,12 +67,14 @@ from shardfn.plan.estimate import Plan, make_plan
 from shardfn.plan.inventory import memory_bytes, stage_ranges, state_bytes
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, rank_stages
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Profile, lower_step, measure, profile, saved_bytes
+from shardfn.plan.resolve import Resolved, resolve, run_config
 from shardfn.plan.search import SearchResult, search
-from shardfn.plan.text import format_plan, format_search
+from shardfn.plan.text import format_estimate, format_plan, format_search
 
 __all__ = [
     "PLACEMENT_ORDER", "FULL_TRACE_MAX_LAYERS",
-    "Layout", "PlanError", "Plan", "Profile", "SearchResult",
+    "Layout", "PlanError", "Plan", "Profile", "SearchResult", "Resolved", "resolve", "run_config",
     "check_layout", "stage_ranges", "rank_stages", "state_bytes", "memory_bytes",
-    "lower_step", "measure", "saved_bytes", "profile", "make_plan", "search", "format_plan", "format_search",
+    "lower_step", "measure", "saved_bytes", "profile", "make_plan", "search", "format_plan", "format_estimate",
+    "format_search",
 ]

@@ -101,6 +101,34 @@ class Layout:
         virtual = f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         return f"{axes} mb={self.microbatches} {self.schedule}{virtual}{' ckpt' if self.checkpointing else ''}"
 
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """The layout :meth:`describe` prints: axis sizes ``pp=8 fsdp=2 ep=32``, ``mb=8``, a
+        schedule name (``interleaved_1f1b``, with ``x2`` for two stages per rank) and ``ckpt``.
+
+        Example:
+            Layout.parse("pp=8 fsdp=2 ep=32 mb=8 interleaved_1f1b ckpt").world_size   # 512
+
+        Raises:
+            ValueError: a word that is none of those.
+        """
+        fields: dict = {}
+        for word in text.replace(",", " ").split():
+            name, _, value = word.partition("=")
+            if value and name in ("pp", "dp", "fsdp", "ep", "tp", "cp", "mb", "microbatches"):
+                fields["microbatches" if name in ("mb", "microbatches") else name] = int(value)
+            elif word == "ckpt":
+                fields["checkpointing"] = True
+            elif canonical_name(word.rsplit("x", 1)[0] if word[-1].isdigit() and "x" in word else word) in SCHEDULES:
+                base, _, virtual = word.rpartition("x") if word[-1].isdigit() and "x" in word else (word, "", "")
+                fields["schedule"] = canonical_name(base)
+                if virtual:
+                    fields["virtual"] = int(virtual)
+            else:
+                raise ValueError(f"layout: {word!r} is not an axis size (pp=8), mb=N, a schedule "
+                                 f"({', '.join(SCHEDULES)}) or ckpt")
+        return cls(**fields)
+
     def to_dict(self) -> dict:
         return {**self.axes(), "microbatches": self.microbatches, "schedule": self.schedule,
                 "stages_per_rank": self.stages_per_rank, "checkpointing": self.checkpointing,

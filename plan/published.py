@@ -53,6 +53,7 @@ class PublishedRun:
     source: str = ""
     fitted: str = ""      # the constant this run fitted ("" : a check, not a fit)
     assumed: str = ""     # what the source does not say and this row assumes
+    compile: bool = True  # torch.compile on (sources that do not say are planned compiled)
     reference: bool = field(default=True)
 
     def load(self):
@@ -68,6 +69,9 @@ class PublishedRun:
 
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
+    PublishedRun("TorchTitan Llama 3.1 8B, 8 H100, FSDP 8, eager", "llama3_1_8b", [], Layout(fsdp=8), 2, 8192,
+                 "selective_op", "h100_96gb", 5762, None, 82.4, f"{TORCHTITAN_PERF}, Table 1",
+                 fitted=f"eager element-wise traffic ({3.3})", compile=False),
     PublishedRun("TorchTitan Llama 3.1 8B, 8 H100, FSDP 8, compiled", "llama3_1_8b", [], Layout(fsdp=8), 2, 8192,
                  "selective_op", "h100_96gb", 6667, None, 77.0, f"{TORCHTITAN_PERF}, Table 1",
                  fitted="h100_96gb clock (0.63)"),
@@ -108,7 +112,7 @@ def planned(row: PublishedRun) -> dict:
         planned(PUBLISHED_RUNS[0])["tokens_per_s_per_device"]    # ~6,700
     """
     return run_estimate(row.load(), row.layout, hardware=row.hardware,
-                        spec=RunSpec(remat=row.remat, rows=row.rows))
+                        spec=RunSpec(remat=row.remat, rows=row.rows, compile=row.compile))
 
 
 def table_rows() -> list[dict]:
