@@ -24,7 +24,7 @@ import torch
 from shardfn.partition.cost import Rates
 from shardfn.partition.hardware import Hardware
 from shardfn.plan.layout import Layout, PlanError
-from shardfn.plan.runmodel import RunSpec, Shape, model_shape, run_estimate
+from shardfn.plan.runmodel import RunSpec, Shape, floor_bytes, model_shape, run_estimate
 
 
 def run_config(cfg, dtype: torch.dtype = torch.float32, checkpointing: bool | None = None):
@@ -85,16 +85,25 @@ class Resolved:
             self._shapes[key] = model_shape(self.cfg, layout)
         return self._shapes[key]
 
-    def estimate(self, layout: Layout) -> dict:
+    def floor_bytes(self, layout: Layout) -> float:
+        """Device bytes the estimate of ``layout`` cannot go below (``runmodel.floor_bytes``)."""
+        if layout.checkpointing != (self.cfg.train.remat != "none"):
+            return self.with_checkpointing(layout.checkpointing).floor_bytes(layout)
+        rows = self.cfg.train.batch_size // layout.data_size // layout.microbatches
+        return floor_bytes(self.shape(layout), layout, self.spec(layout), rows * self.cfg.train.seq_len // layout.cp)
+
+    def estimate(self, layout: Layout, *, bound: bool = False) -> dict:
         """The one estimate of a GPU run of ``layout`` (``plan.runmodel.run_estimate``), with
-        ``fits``: its device bytes within :attr:`capacity_bytes`.
+        ``fits``: its device bytes within :attr:`capacity_bytes`. ``bound``: the step time
+        without the pipeline bubble (a lower bound; no schedule simulated), the rest exact.
 
         Example:
             resolve(cfg, hardware="h100").estimate(Layout(fsdp=8))["tokens_per_s_per_device"]
         """
         if layout.checkpointing != (self.cfg.train.remat != "none"):
-            return self.with_checkpointing(layout.checkpointing).estimate(layout)
-        est = run_estimate(self.cfg, layout, hardware=self.rates, spec=self.spec(layout), shape=self.shape(layout))
+            return self.with_checkpointing(layout.checkpointing).estimate(layout, bound=bound)
+        est = run_estimate(self.cfg, layout, hardware=self.rates, spec=self.spec(layout), shape=self.shape(layout),
+                           bound=bound)
         est["capacity_bytes"] = self.capacity_bytes
         est["fits"] = est["memory"]["device_bytes"] <= self.capacity_bytes
         return est

@@ -278,7 +278,8 @@ def rank_layers(shape: Shape, layout: Layout) -> dict:
     return {k: out[k] for k in shape.stacks}
 
 
-def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, layers: dict, rank: int = 0) -> dict:
+def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, layers: dict, rank: int = 0, *,
+                 schedule: bool = True) -> dict:
     """Peak bytes of pipeline rank ``rank``, term by term: fp32 master weights, gradients and
     AdamW state of its shards; under fsdp the layer in use and the prefetched next one gathered
     in bf16 plus one layer's unsharded gradient; the activations its in-flight microbatches hold
@@ -302,8 +303,11 @@ def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, la
     per_layer = {k: saved_per_token_layer(shape, k, spec.remat, it, layout.tp, spec.sequence_parallel)
                  for k in layers}
     stage_mb = sum(n * per_layer[k] for k, n in layers.items()) * tokens_mb / layout.stages_per_rank
-    held, held_mb, _ = inflight(layout, [stage_mb] * layout.n_stages)
-    activations, in_flight = held[rank], held_mb[rank]
+    if schedule:
+        held, held_mb, _ = inflight(layout, [stage_mb] * layout.n_stages, sends=False)
+        activations, in_flight = held[rank], held_mb[rank]
+    else:  # a floor: every rank holds at least one stage-microbatch (floor_bytes)
+        activations, in_flight = stage_mb, 1
     inside = max(saved_per_token_layer(shape, k, "none", it, layout.tp, spec.sequence_parallel)
                  for k, n in layers.items() if n)
     layer_transient = 2 * inside * tokens_mb
@@ -321,6 +325,19 @@ def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, la
             "allocated_bytes": allocated, "fragmentation_bytes": reserved - allocated, "reserved_bytes": reserved,
             "cuda_context_bytes": CUDA_CONTEXT_BYTES, "nccl_bytes": NCCL_BYTES_PER_GROUP * groups,
             "device_bytes": reserved + outside}
+
+
+def floor_bytes(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int) -> float:
+    """Device bytes no estimate of ``layout`` goes below: :func:`memory_terms` of its first and
+    last pipeline rank with one stage-microbatch of activations held instead of the schedule's
+    in-flight count (every other term needs no schedule). A search drops a layout whose floor
+    exceeds the memory before it builds the layout's schedule.
+
+        floor_bytes(shape, Layout(pp=8, ep=32), RunSpec(remat="full"), 4096)
+    """
+    layers = rank_layers(shape, layout)
+    return max(memory_terms(shape, layout, spec, tokens_mb, layers, r, schedule=False)["device_bytes"]
+               for r in {0, layout.pp - 1})
 
 
 # ============================================================================ time terms
@@ -395,13 +412,15 @@ def time_terms(shape: Shape, layout: Layout, spec: RunSpec, rates: Rates, tokens
 
 
 def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware | Rates = "h200", spec: RunSpec | None = None,
-                 shape: Shape | None = None, layers: dict | None = None) -> dict:
+                 shape: Shape | None = None, layers: dict | None = None, bound: bool = False) -> dict:
     """A GPU run of ``cfg`` under ``layout``: step time, tokens/s per device, MFU and peak memory,
     with every term named (see the module docstring).
 
     ``shape`` is :func:`model_shape` of the layout's mesh when the caller has it (a search keeps
     one per mesh); ``layers`` the busiest pipeline rank's layers per stack when the stage split
-    is known (default :func:`rank_layers`).
+    is known (default :func:`rank_layers`). ``bound``: the pipeline without its bubble and P2P
+    delay (no schedule simulated), so ``step_s`` is a lower bound on the estimate's and every
+    other number is the estimate's (a search ranks by it before it simulates).
 
     Example:
         est = run_estimate(cfg, Layout(fsdp=8), hardware="h100_96gb", spec=RunSpec(remat="selective_op", rows=2))
@@ -425,7 +444,10 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware | Rates = "h20
     p2p = rates.p2p_s(tokens_mb * shape.dim * spec.compute_bytes, intra["pp"]) if layout.pp > 1 else 0.0
     costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     unit = per_mb / 3 / layout.stages_per_rank
-    makespan, bubble = makespan_units(layout, costs, p2p / unit if unit else 0.0)
+    if bound:
+        makespan, bubble = m * layout.stages_per_rank * (costs["F"] + costs["B"]), 0.0
+    else:
+        makespan, bubble = makespan_units(layout, costs, p2p / unit if unit else 0.0)
     pipeline = makespan * unit
     local = sum(n * shape.layer_local[k] for k, n in layers.items()) + shape.head_local
     optimizer = rates.memory_s(local * ADAMW_BYTES_PER_PARAM)

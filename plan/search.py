@@ -36,8 +36,9 @@ class SearchResult:
     """What :func:`search` found: the fitting layouts, fastest first by the estimate.
 
     ``plans`` are the ``top`` fastest that fit (:class:`~shardfn.plan.estimate.Plan`; the first
-    ``lowered`` of them with the traced detail). ``ranked`` is every fitting layout as
-    ``(step_s, layout)``, fastest first; ``too_big`` those estimated not to fit
+    ``lowered`` of them with the traced detail). ``ranked`` is every fitting layout that could be
+    among them (or faster than the reference) as ``(step_s, layout)``, fastest first: the
+    ``fitting - len(ranked)`` others have a step-time bound slower than those; ``too_big`` those estimated not to fit
     (``{"layout", "device_bytes"}``); ``refused`` those that cannot run (``{"layout", "key",
     "reason"}``). ``reference``, when a layout was given to compare, says where it ranks and why
     (:func:`compare`). ``seconds`` is reported only: nothing in the answer depends on it.
@@ -57,6 +58,7 @@ class SearchResult:
     reference: dict | None = None
     capacity_bytes: int = 0
     budgeted: bool = False
+    fitting: int = 0              # layouts that fit; ``ranked`` holds those whose schedule was simulated
 
     def to_list(self) -> list[dict]:
         """The fitting plans as JSON objects, fastest first (``shardfn plan --search --json``)."""
@@ -166,7 +168,9 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
     Invalid layouts are refused with the key to change. Every valid one is estimated
     (``Resolved.estimate``: the answer ``shardfn plan`` prints for it); those whose device bytes
     exceed ``partition.memory_budget`` or the device are dropped, the rest ranked by step time
-    (ties by name). The ``top`` fastest become plans; the first ``trace`` of them are lowered for
+    (ties by name). The pipeline schedules are simulated in order of a step-time bound without
+    the bubble, until no unsimulated layout can be faster than the ``top`` ones (or than
+    ``reference``). The ``top`` fastest become plans; the first ``trace`` of them are lowered for
     their traced detail (a work budget, counted in layouts). ``reference``: a layout to place in
     the ranking, with the terms that make the top layout faster or slower than it.
 
@@ -179,7 +183,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
     run = resolved or resolve(cfg, hardware=hardware, dtype=dtype)
     cfg = run.cfg
     max_tp = max_tp or run.hardware.gpus_per_node
-    refused, too_big, ranked = [], [], []
+    refused, too_big, candidates = [], [], []
     estimated = 0
     meshes = _mesh_candidates(cfg, gpus, max_tp, run.model)
     say(f"search: {len(meshes)} meshes of {gpus} devices; estimating every layout of them")
@@ -195,19 +199,35 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
                 for ckpt in checkpointing:
                     layout = Layout(**axes, microbatches=m, schedule=sched, checkpointing=ckpt)
                     try:
-                        check_pipeline(cfg, layout)
                         check_layout_batch(cfg, layout)
+                        floor = run.floor_bytes(layout)
+                        if floor > run.capacity_bytes:  # over by what needs no schedule: none is built
+                            too_big.append({"layout": layout.describe(), "device_bytes": floor})
+                            continue
+                        check_pipeline(cfg, layout)
                     except PlanError as e:
                         refused.append({"layout": layout.describe(), "key": e.key, "reason": str(e)})
                         continue
-                    est = run.estimate(layout)
+                    est = run.estimate(layout, bound=True)  # exact memory; step time without the bubble
                     estimated += 1
                     if est["fits"]:
-                        ranked.append((est["time"]["step_s"], layout.describe(), layout))
+                        candidates.append((est["time"]["step_s"], layout.describe(), layout))
                     else:
                         too_big.append({"layout": layout.describe(), "device_bytes": est["memory"]["device_bytes"]})
-    ranked.sort(key=lambda r: (r[0], r[1]))
-    say(f"search: {estimated} layouts estimated, {len(ranked)} fit, {len(too_big)} do not, {len(refused)} refused")
+    # simulate the schedules in order of the bound until the top layouts (and every layout faster
+    # than the reference) are known: what is left cannot beat them
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    ref_step = run.estimate(reference)["time"]["step_s"] if reference is not None and _valid(run, reference, gpus) \
+        else None
+    ranked: list = []
+    for bound, name, layout in candidates:
+        kth = ranked[top - 1][0] if top and len(ranked) >= top else None
+        if kth is not None and bound > kth and (ref_step is None or bound > ref_step):
+            break
+        ranked.append((run.estimate(layout)["time"]["step_s"], name, layout))
+        ranked.sort(key=lambda r: (r[0], r[1]))
+    say(f"search: {estimated} layouts estimated, {len(candidates)} fit ({len(ranked)} simulated), "
+        f"{len(too_big)} do not, {len(refused)} refused")
     plans = []
     for i, (_, _, layout) in enumerate(ranked[:top] if top else ranked):
         traced = i < trace
@@ -215,11 +235,20 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
             say(f"[{i + 1}] lowering {layout.describe()} for its traced detail")
         plans.append(make_plan(cfg, layout, resolved=run, trace=traced, profiles=profiles, progress=say))
     result = SearchResult(gpus, plans, [(s, lay) for s, _, lay in ranked], too_big, refused, estimated,
-                          time.perf_counter() - tic, min(trace, len(plans)), None, run.capacity_bytes, run.budgeted)
+                          time.perf_counter() - tic, min(trace, len(plans)), None, run.capacity_bytes, run.budgeted,
+                          len(candidates))
     if reference is not None:
         result.reference = _place(run, result, reference, gpus)
     result.seconds = time.perf_counter() - tic
     return result
+
+
+def _valid(run: Resolved, layout: Layout, gpus: int) -> bool:
+    try:
+        check_layout(run.with_checkpointing(layout.checkpointing).cfg, layout, gpus=gpus)
+    except PlanError:
+        return False
+    return True
 
 
 def _place(run: Resolved, result: SearchResult, layout: Layout, gpus: int) -> dict:
@@ -234,7 +263,7 @@ def _place(run: Resolved, result: SearchResult, layout: Layout, gpus: int) -> di
     rank = result.rank_of(layout)
     if rank is None and est["fits"]:  # valid and fitting but outside the enumerated options
         rank = 1 + sum(1 for s, _ in result.ranked if s < step)
-    out.update(rank=rank, of=len(result.ranked), fits=est["fits"], step_s=step,
+    out.update(rank=rank, of=result.fitting, fits=est["fits"], step_s=step,
                tokens_per_s_per_device=est["tokens_per_s_per_device"], device_bytes=est["memory"]["device_bytes"])
     if result.plans:
         best = result.plans[0]

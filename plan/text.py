@@ -107,7 +107,8 @@ def format_search(result: SearchResult) -> str:
     if not result.plans:
         lines.append("  (none: every valid layout exceeds the memory)")
     lines.append("")
-    lines.append(f"{result.estimated} layouts estimated: {len(result.ranked)} fit, {len(result.too_big)} do not; "
+    lines.append(f"{result.estimated} layouts estimated: {result.fitting} fit ({len(result.ranked)} with their "
+                 f"schedule simulated; the rest cannot beat those above), {len(result.too_big)} do not; "
                  f"{result.lowered} lowered for the traced detail; in {result.seconds:.1f} s")
     if result.reference is not None:
         from shardfn.plan.search import format_reference
