@@ -51,8 +51,8 @@ def case(ranks: int, hardware: str = "h200") -> dict:
         "plan_s": round(done - imported, 3), "import_and_config_s": round(imported - tic, 3),
         "trace_s": plan.trace["seconds"], "lowered": plan.trace["lowered"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "planned_peak_bytes_per_rank": plan.per_rank["peak_bytes"], "fits": plan.fits,
-        "step_s": plan.time["step_s"], "mfu": plan.time["mfu"],
+        "traced_peak_bytes_per_rank": plan.per_rank["peak_bytes"], "peak_reserved_bytes": plan.peak_bytes,
+        "fits": plan.fits, "step_s": plan.time["step_s"], "mfu": plan.time["mfu"],
     }
 
 

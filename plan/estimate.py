@@ -1,7 +1,8 @@
-"""The plan of one layout: memory, collectives, step time and fit per rank (see ``shardfn.plan``).
+"""The plan of one layout: the estimate (step time, memory, fit), and the traced program's bytes
+and collectives per rank (see ``shardfn.plan``).
 
     plan = make_plan(cfg, hardware="h200")
-    plan.fits, plan.per_rank["peak_bytes"], plan.time["step_s"]
+    plan.fits, plan.peak_bytes, plan.time["step_s"], plan.per_rank["params_bytes"]
 """
 
 from __future__ import annotations
