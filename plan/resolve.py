@@ -82,7 +82,7 @@ class Resolved:
         """The model's parameter shards on ``layout``'s mesh (``pp`` aside), made once per mesh."""
         key = tuple(layout.axes(include_pp=False).items())
         if key not in self._shapes:
-            self._shapes[key] = model_shape(self.cfg, layout)
+            self._shapes[key] = model_shape(self.cfg, layout, self.model)
         return self._shapes[key]
 
     def floor_bytes(self, layout: Layout) -> float:

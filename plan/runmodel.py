@@ -178,15 +178,16 @@ class Shape:
     kv_width: int = 0      # K and V elements per token that attention reads (cp gathers them)
 
 
-def model_shape(cfg, layout: Layout) -> Shape:
-    """The run model's view of ``cfg.model`` on ``layout``'s mesh (shards as ``cfg.rules`` place them).
+def model_shape(cfg, layout: Layout, model=None) -> Shape:
+    """The run model's view of ``cfg.model`` on ``layout``'s mesh (shards as ``cfg.rules`` place them);
+    ``model``: the model module when the caller has resolved it.
 
         model_shape(load_config("llama3_1_8b"), Layout(fsdp=8)).matmuls["layers"][0]
     """
     from shardfn import models
     from shardfn.plan.inventory import mesh_leaves
 
-    model, mcfg = models.get(cfg.model_name), cfg.model
+    model, mcfg = model or models.get(cfg.model_name), cfg.model
     leaves = mesh_leaves(model, mcfg, layout.axes(include_pp=False), cfg.rules, torch.float32)
     stacks = dict(model.stacks(mcfg))
     mm = {k: [] for k in stacks}

@@ -277,7 +277,7 @@ def format_reference(ref: dict, capacity: int) -> list[str]:
     """The reference layout's place in a search, as lines (see :func:`search`)."""
     if ref.get("reason"):
         return [f"reference {ref['layout']}: cannot run: {ref['reason']}"]
-    mem = f"{format_bytes(ref['device_bytes'])} of {format_bytes(capacity)}"
+    mem = f"{format_bytes(ref['device_bytes'])} on the device of {format_bytes(capacity)}"
     if not ref["fits"]:
         head = f"reference {ref['layout']}: does not fit ({mem}); step {ref['step_s']:.4g} s"
     else:
