@@ -1,4 +1,4 @@
-"""A GPU run's step time and memory, term by term: the ``run`` section of a plan.
+"""A GPU run's step time and memory, term by term: the estimate a plan leads with (``time``, ``memory``, ``fits``).
 
 The traced plan (``plan.estimate``) is exact about the program shardfn emits on a CPU trace; a
 GPU run differs from it in known ways: kernels reach a share of peak that depends on their
