@@ -1,5 +1,6 @@
-"""``shardfn plan``: memory, collectives, step time and fit per rank of a run config on a
-simulated mesh of any size; or, with ``--search``, the layouts of N devices that fit, fastest first.
+"""``shardfn plan``: the estimated step time, throughput, MFU, peak memory and fit of a run config
+on a simulated mesh of any size, with the traced program's bytes and collectives per rank; or,
+with ``--search``, the layouts of N devices that fit, fastest first by the same estimate.
 
     shardfn plan --config kimi_k2_1t mesh.pp=16 mesh.ep=64 mesh.dp=2 --hardware h200 [--json]
     shardfn plan --config deepseek_v3_671b --search --gpus 2048 [--top 5] [--json]
@@ -44,9 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--search: pipeline schedules to try, comma-separated")
     parser.add_argument("--microbatches", default=None, metavar="LIST",
                         help="--search: microbatch counts to try, comma-separated (default: pp x 1, 2, 4, 8)")
-    parser.add_argument("--budget", type=float, default=100.0, metavar="SECONDS",
-                        help="--search: stop lowering new meshes after this many seconds and report what is left "
-                             "(default 100; 0: no limit)")
+    parser.add_argument("--trace", type=int, default=0, metavar="N",
+                        help="--search: lower the steps of the N fastest layouts for their traced detail (default 0: "
+                             "the estimate alone)")
+    parser.add_argument("--reference", default=None, metavar="LAYOUT",
+                        help="--search: a layout to place in the ranking, as the table prints it, e.g. "
+                             "'pp=8 fsdp=2 ep=32 mb=8 interleaved_1f1b ckpt'; the output says its rank and why "
+                             "the top layout is faster or slower")
     parser.add_argument("--max-tp", type=int, default=None, metavar="N",
                         help="--search: largest tp to try (default: the hardware's gpus_per_node)")
 
@@ -88,9 +93,13 @@ def _search(cfg, args: argparse.Namespace, dtype) -> int:
     except ValueError:
         raise UsageError(f"--microbatches takes comma-separated integers, got {args.microbatches!r}") from None
     checkpointing = (True,) if args.checkpointing else (False, True)
+    try:
+        reference = planner.Layout.parse(args.reference) if args.reference else None
+    except ValueError as e:
+        raise UsageError(f"--reference: {e}") from None
     result = planner.search(cfg, args.gpus, hardware=args.hardware, dtype=dtype, schedules=schedules,
                             microbatches=microbatches, checkpointing=checkpointing, max_tp=args.max_tp,
-                            top=args.top, budget_s=args.budget or None,
+                            top=args.top, trace=args.trace, reference=reference,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps(result.to_list()))

@@ -4,12 +4,13 @@ simulated mesh of any size, without allocating a parameter; and a search over la
 It sits above the runtime and asks the same functions a run uses: the layout checks and specs of
 ``partition.layouts``, the schedules of ``partition.schedules``, and the run's own train step
 (``runtime.partitioned``) lowered on a fake mesh. One module per part: ``layout`` (what to plan,
-and its checks), ``inventory`` (what each rank holds), ``profile`` (tracing a representative
-step), ``estimate`` (the plan), ``search``, ``text``.
+and its checks), ``resolve`` (a run config resolved once), ``runmodel`` (the estimate),
+``inventory`` (what each rank holds), ``profile`` (tracing a representative step), ``estimate``
+(the plan), ``search``, ``text``, ``published`` (published runs against the estimate).
 
     cfg = load_config("kimi_k2_1t", ["mesh.pp=16", "mesh.ep=64", "train.batch_size=1024", "train.seq_len=4096"])
     plan = make_plan(cfg, hardware="h200")
-    plan.fits, plan.per_rank["peak_bytes"], plan.time["step_s"]
+    plan.fits, plan.peak_bytes, plan.time["step_s"], plan.time["tokens_per_s_per_device"]
     print(format_plan(plan)); json.dumps(plan.to_dict())
     found = search(cfg, gpus=1024, hardware="h200")        # fitting layouts, fastest first
 
@@ -47,32 +48,26 @@ Where each number comes from:
 - **In-flight microbatches** per pipeline rank come from the schedule's action lists
   (``partition.schedules``): the most forwards whose backward has not run, weighted by each
   stage's activation bytes.
-- **Step time** (an estimate, nothing overlapped): compute is ``6 x active params x tokens``
-  plus causal attention (``3 x seq x heads x (qk + v head dims)`` per token and layer), split
-  over the ranks and divided by the hardware's peak for the dtype (x 4/3 with checkpointing:
-  the forward runs again). Each collective costs the alpha-beta ring model of
-  ``partition.hardware``, with mesh axes placed on nodes innermost first (``tp, ep, fsdp, dp,
-  pp``): an axis is intra-node when its size times the sizes inside it fit ``gpus_per_node``.
-  A microbatch on a stage takes its compute plus its collectives; the schedule's simulator
-  (F = 1, B = 2 units, or B = 3 with checkpointing; zero-bubble I = W = 1) turns that into a
-  makespan with P2P as its communication delay; the per-step collectives (gradient reductions)
-  are added after it. MFU is model FLOPs / (step time x ranks x peak).
-- **Fit**: the binding rank's peak (parameters + gradients + optimizer state + in-flight
-  activations + one layer's transient working set: its recomputed activations or activation
-  gradients, and its gathered weights under ``fsdp``) against ``partition.memory_budget`` or
-  the hardware's memory.
+- **The answer**: step time, tokens/s, MFU, peak memory and fit are the run model's estimate
+  (``runmodel``, through ``resolve``: the config resolved once), in closed form from the
+  parameter shards, the layout, the run config (remat, precision, compile) and the hardware's
+  achieved rates; ``fits`` is its device bytes within ``partition.memory_budget`` or the
+  device. The search ranks layouts by it. The traced program's own time (datasheet peak,
+  nothing overlapped: ``Plan.traced_time``) and peak (``Plan.per_rank``) are detail.
 """
 
 from shardfn.plan.estimate import Plan, make_plan
 from shardfn.plan.inventory import memory_bytes, stage_ranges, state_bytes
 from shardfn.plan.layout import PLACEMENT_ORDER, Layout, PlanError, check_layout, rank_stages
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Profile, lower_step, measure, profile, saved_bytes
+from shardfn.plan.resolve import Resolved, resolve, run_config
 from shardfn.plan.search import SearchResult, search
-from shardfn.plan.text import format_plan, format_search
+from shardfn.plan.text import format_estimate, format_plan, format_search
 
 __all__ = [
     "PLACEMENT_ORDER", "FULL_TRACE_MAX_LAYERS",
-    "Layout", "PlanError", "Plan", "Profile", "SearchResult",
+    "Layout", "PlanError", "Plan", "Profile", "SearchResult", "Resolved", "resolve", "run_config",
     "check_layout", "stage_ranges", "rank_stages", "state_bytes", "memory_bytes",
-    "lower_step", "measure", "saved_bytes", "profile", "make_plan", "search", "format_plan", "format_search",
+    "lower_step", "measure", "saved_bytes", "profile", "make_plan", "search", "format_plan", "format_estimate",
+    "format_search",
 ]

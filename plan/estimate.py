@@ -1,7 +1,8 @@
-"""The plan of one layout: memory, collectives, step time and fit per rank (see ``shardfn.plan``).
+"""The plan of one layout: the estimate (step time, memory, fit), and the traced program's bytes
+and collectives per rank (see ``shardfn.plan``).
 
     plan = make_plan(cfg, hardware="h200")
-    plan.fits, plan.per_rank["peak_bytes"], plan.time["step_s"]
+    plan.fits, plan.peak_bytes, plan.time["step_s"], plan.per_rank["params_bytes"]
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from shardfn import models
 from shardfn.partition.cost import Rates
-from shardfn.partition.hardware import Hardware, load_hardware
+from shardfn.partition.hardware import Hardware
 from shardfn.partition.layouts import AXIS_ORDER
 from shardfn.plan.inventory import (
     Leaf,
@@ -38,7 +39,7 @@ from shardfn.plan.layout import (
     rank_stages,
 )
 from shardfn.plan.profile import FULL_TRACE_MAX_LAYERS, Comm, Profile, comm_add, comm_round, lower_pipeline, profile
-from shardfn.plan.runmodel import RunSpec, run_estimate
+from shardfn.plan.resolve import Resolved, resolve, run_config
 from shardfn.runtime.train_step import precision_policy
 
 COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
@@ -47,15 +48,20 @@ COMM_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 
 @dataclass
 class Plan:
-    """A layout's numbers per rank (see the module docstring for where each comes from).
+    """A layout's plan: the one estimate of the run, and the traced program's detail.
 
-    ``per_rank`` is the binding pipeline rank (the largest peak memory); ``ranks`` has every
-    pipeline rank; ``comm`` lists the binding rank's collectives per step
-    (``{op, axis, bytes, count, source}``, ``source`` one of ``trace``, ``estimate``, ``schedule``).
-    :meth:`to_dict` is the JSON form (keys in docs/plan.md).
+    The answer is the run model's (``plan.runmodel``, through :class:`~shardfn.plan.resolve.Resolved`):
+    ``time`` (its terms, ``step_s``, ``tokens_per_s``, ``tokens_per_s_per_device``, ``mfu``),
+    ``memory`` (its terms; ``reserved_bytes`` is what ``torch.cuda.max_memory_reserved`` reports,
+    ``device_bytes`` adds the CUDA context and NCCL) and ``fits`` (``device_bytes`` within
+    ``capacity_bytes``). The detail of the traced program, when it was traced: ``per_rank`` (the
+    binding pipeline rank by the traced peak), ``ranks``, ``comm`` (the binding rank's collectives per
+    step, ``{op, axis, bytes, count, source}``) and ``traced_time``, that program at datasheet peak
+    with nothing overlapped (not the answer: a figure for reference). :meth:`to_dict` is the JSON
+    form (keys in docs/plan.md).
 
     Example:
-        plan = make_plan(cfg); plan.fits, plan.time["step_s"], plan.to_dict()["per_rank"]
+        plan = make_plan(cfg); plan.fits, plan.time["step_s"], plan.to_dict()["peak_bytes"]
     """
 
     model: str
@@ -65,34 +71,53 @@ class Plan:
     layout: Layout
     batch: dict
     params: dict
-    per_rank: dict
-    ranks: list
-    comm: list
     time: dict
+    memory: dict
     capacity_bytes: int
     fits: bool
-    trace: dict
+    per_rank: dict = field(default_factory=dict)
+    ranks: list = field(default_factory=list)
+    comm: list = field(default_factory=list)
+    traced_time: dict = field(default_factory=dict)
+    trace: dict = field(default_factory=lambda: {"mode": "none"})
     notes: list = field(default_factory=list)
     budgeted: bool = False  # capacity_bytes is partition.memory_budget, not the device's memory
-    precision: str = "fp32"  # the run's train.precision and train.remat the plan describes
+    precision: str = "fp32"  # the run's train.precision, train.remat and train.compile the plan describes
     remat: str = "none"
-    run: dict = field(default_factory=dict)  # the GPU run's estimate, term by term (plan.runmodel)
+    compile: bool = False
+    run: dict = field(default_factory=dict)  # the run model's whole answer (plan.runmodel.run_estimate)
+
+    @property
+    def peak_bytes(self) -> float:
+        """Peak reserved bytes per device (the caching allocator's, as TorchTitan reports memory)."""
+        return self.memory["reserved_bytes"]
+
+    @property
+    def device_bytes(self) -> float:
+        """Peak bytes on the device: reserved plus the CUDA context and NCCL's buffers (what ``fits`` compares)."""
+        return self.memory["device_bytes"]
 
     @property
     def comm_by_axis(self) -> dict:
-        """Bytes per step per mesh axis of the binding rank."""
+        """Bytes per step per mesh axis of the binding rank (traced)."""
         return by_axis(self.comm)
 
     def to_dict(self) -> dict:
+        t = self.time
         return {
             "model": self.model, "config": self.config, "hardware": self.hardware, "dtype": self.dtype,
-            "precision": self.precision, "remat": self.remat,
+            "precision": self.precision, "remat": self.remat, "compile": self.compile,
             "layout": self.layout.to_dict(), "batch": dict(self.batch), "params": dict(self.params),
-            "per_rank": dict(self.per_rank), "ranks": [dict(r) for r in self.ranks],
-            "comm": [dict(r) for r in self.comm], "comm_by_axis": self.comm_by_axis, "time": dict(self.time),
+            "step_s": t["step_s"], "tokens_per_s": t["tokens_per_s"],
+            "tokens_per_s_per_device": t["tokens_per_s_per_device"], "mfu": t["mfu"],
+            "peak_bytes": self.peak_bytes, "device_bytes": self.device_bytes,
             "memory_capacity_bytes": self.capacity_bytes, "fits": self.fits,
-            "headroom_bytes": self.capacity_bytes - self.per_rank["peak_bytes"],
-            "trace": dict(self.trace), "notes": list(self.notes), "run": dict(self.run),
+            "headroom_bytes": self.capacity_bytes - self.device_bytes,
+            "time": dict(t), "memory": dict(self.memory),
+            "per_rank": dict(self.per_rank), "ranks": [dict(r) for r in self.ranks],
+            "comm": [dict(r) for r in self.comm], "comm_by_axis": self.comm_by_axis,
+            "traced_time": dict(self.traced_time), "trace": dict(self.trace), "notes": list(self.notes),
+            "run": dict(self.run),
         }
 
 
@@ -141,8 +166,8 @@ def _step_comm(prof: Profile, share: RankShare, leaves: Sequence[Leaf], tied: bo
 
 
 def profile_key(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> tuple:
-    """The key of the traced profile :func:`make_plan` uses for ``layout`` (in a search's
-    ``profiles`` cache): layouts that share it differ only in pipeline depth and schedule.
+    """The key of the traced profile :func:`make_plan` uses for ``layout`` (in a ``profiles``
+    cache): layouts that share it differ only in pipeline depth and schedule.
 
     Example:
         profile_key(cfg, Layout(pp=2, dp=4)) == profile_key(cfg, Layout(pp=4, dp=4))  # when rows agree
@@ -157,8 +182,12 @@ def profile_key(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> tupl
 
 def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "h200",
               dtype: torch.dtype = torch.float32, checkpointing: bool | None = None, gpus: int | None = None,
-              full_trace: bool | None = None, profiles: dict | None = None, progress=None) -> Plan:
+              full_trace: bool | None = None, profiles: dict | None = None, progress=None, trace: bool = True,
+              resolved: Resolved | None = None) -> Plan:
     """Plan ``cfg`` under ``layout`` (default: the config's own mesh and pipeline) on ``hardware``.
+
+    The answer (``time``, ``memory``, ``fits``) is the run model's estimate; with ``trace`` the
+    run's own train step is also lowered on a fake mesh for the exact bytes and collectives per rank.
 
     Args:
         cfg: a run config (``shardfn.config.load_config``).
@@ -173,31 +202,60 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         full_trace: trace the whole model (True), reduced and scaled (False), or by size (None).
         profiles: a cache of traced profiles shared between plans (``None``: no cache).
         progress: called with a line as each lowering starts and ends (e.g. ``print``).
+        trace: lower the step for the traced detail (False: the estimate alone, milliseconds).
+        resolved: ``cfg`` already resolved (:func:`~shardfn.plan.resolve.resolve`; a search
+            passes its own), in which case ``hardware`` and ``dtype`` are its.
 
     Raises:
         PlanError: the layout cannot run; ``key`` names the config key (``mesh.ep``).
 
     Example:
         plan = make_plan(load_config("kimi_k2_1t"), hardware="h200")
-        plan.per_rank["peak_bytes"] / 2**30, plan.fits
+        plan.peak_bytes / 2**30, plan.fits, plan.time["tokens_per_s_per_device"]
     """
-    from shardfn import models
-
     if checkpointing is None and layout is not None:
         checkpointing = layout.checkpointing  # a layout to plan says it (the search tries both)
-    cfg = run_config(cfg, dtype, checkpointing)
+    run = (resolved or resolve(cfg, hardware=hardware, dtype=dtype)).with_checkpointing(checkpointing)
+    cfg = run.cfg
     layout = dataclasses.replace(layout or Layout.from_config(cfg), checkpointing=cfg.train.remat != "none")
+    check_layout(cfg, layout, gpus=gpus)
+    est = run.estimate(layout)
+    mcfg = cfg.model
+    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
+    counts = run.model.param_counts(mcfg)
+    tokens = cfg.train.batch_size * cfg.train.seq_len
+    compute = precision_policy(cfg.train).compute_dtype
+    time = {**est["time"], "tokens_per_s": tokens / est["time"]["step_s"],
+            "tokens_per_s_per_device": est["tokens_per_s_per_device"], "mfu": est["mfu"],
+            "peak_flops": run.rates.peak(compute)}
+    plan = Plan(
+        model=cfg.model_name, config=cfg.source, hardware=run.hardware.name, dtype=_dtype_name(compute),
+        layout=layout,
+        batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len, "tokens_per_step": tokens,
+               "microbatch_rows": rows, "tokens_per_microbatch_per_rank": rows * cfg.train.seq_len // layout.cp},
+        params={"total": int(counts["total"]), "active": int(counts["active"])},
+        time=time, memory=est["memory"], capacity_bytes=run.capacity_bytes, fits=est["fits"],
+        budgeted=run.budgeted, precision=cfg.train.precision, remat=cfg.train.remat, compile=est["compile"], run=est,
+    )
+    if layout.ep > 1 and est["time"]["ep_s"] > 0:
+        plan.notes.append("all_to_all over ep is estimated for uniform routing; the runtime records the real bytes")
+    if trace:
+        _trace_detail(plan, run, cfg, full_trace=full_trace, profiles=profiles, progress=progress)
+    return plan
+
+
+def _trace_detail(plan: Plan, run: Resolved, cfg, *, full_trace, profiles, progress) -> None:
+    """Lower ``plan``'s step on a fake mesh and fill in its traced detail: bytes and collectives
+    per pipeline rank, and the traced program's time at peak with nothing overlapped."""
+    layout, model, mcfg = plan.layout, run.model, cfg.model
     compute = precision_policy(cfg.train).compute_dtype
     dtype = torch.float32  # the parameters, gradients and optimizer state: master weights
-    check_layout(cfg, layout, gpus=gpus)
-    hw = load_hardware(hardware)
-    model, mcfg = models.get(cfg.model_name), cfg.model
     tied = model.ties_embeddings(mcfg)
     leaves = mesh_leaves(model, mcfg, layout.axes(), cfg.rules, dtype)
     facts = model_facts(model, mcfg, leaves)
     itemsize = torch.empty((), dtype=compute).element_size()  # activations and exchanges
-    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    tokens_mb = rows * cfg.train.seq_len // layout.cp       # tokens of one microbatch on one rank
+    rows = plan.batch["microbatch_rows"]
+    tokens_mb = plan.batch["tokens_per_microbatch_per_rank"]
     input_bytes = tokens_mb * model.embed_dim(mcfg) * itemsize           # one [mb, seq, dim] activation
     ep_bytes = tokens_mb * facts.top_k * model.embed_dim(mcfg) * itemsize  # one exchange's buffer
 
@@ -256,56 +314,22 @@ def make_plan(cfg, layout: Layout | None = None, *, hardware: str | Hardware = "
         })
         rank_comm.append((rows_out, step_comm))
 
-    hw_time = step_time(cfg, layout, hw, facts, stages, stage_comm, [c for _, c in rank_comm], tokens_mb,
-                         ep_bytes, input_bytes, compute)
     b = max(range(len(ranks)), key=lambda i: ranks[i]["peak_bytes"])
-    per_rank = {k: v for k, v in ranks[b].items() if k not in ("comm_bytes", "comm")}
-    capacity = int(cfg.partition.memory_budget or hw.hbm_bytes)
-    counts = model.param_counts(mcfg)
-    notes = []
-    if layout.ep > 1 and any(s.counts.get("moe_layers") for s in stages):
-        notes.append("all_to_all over ep is estimated for uniform routing; the runtime records the real bytes")
+    plan.per_rank = {k: v for k, v in ranks[b].items() if k not in ("comm_bytes", "comm")}
+    plan.ranks, plan.comm = ranks, rank_comm[b][0]
+    plan.traced_time = step_time(cfg, layout, run.hardware, facts, stages, stage_comm, [c for _, c in rank_comm],
+                                 tokens_mb, ep_bytes, input_bytes, compute)
+    plan.trace = {"mode": "full" if prof.full else "scaled", "mesh": dict(prof.axes), "rows": prof.rows,
+                  "lowered": [dict(t) for t in prof.traces], "seconds": round(prof.seconds, 3)}
     if not prof.full:
-        notes.append("embedding, final norm, output head and loss are charged to the last stage")
+        plan.notes.append("traced detail: embedding, final norm, output head and loss are charged to the last stage")
     if layout.n_stages > 1 and layer_costs(cfg.model_name, mcfg, rows, cfg.train.seq_len, dtype) is None:
-        notes.append("stages split by layer count: the loss has no cut between layers (each layer's auxiliary "
-                     "balance loss reaches the final loss), so the pipeline runtime cannot split it yet")
+        plan.notes.append("stages split by layer count: the loss has no cut between layers (each layer's auxiliary "
+                          "balance loss reaches the final loss), so the pipeline runtime cannot split it yet")
     if layout.pp > 1:
-        notes.append("bytes and collectives per rank from the lowered stage programs" if pipeline is not None else
-                     "pipeline collectives from per-layer traces of the stage mesh; gradient sums held unsharded "
-                     "over fsdp until the step's reduction")
-    run = run_estimate(cfg, layout, hardware=hw, spec=RunSpec(
-        remat=cfg.train.remat, compute_bytes=itemsize, reduce_bytes=4,
-        sequence_parallel=cfg.partition.sequence_parallel))
-    return Plan(
-        model=cfg.model_name, config=cfg.source, hardware=hw.name, dtype=_dtype_name(compute), layout=layout,
-        batch={"global_rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
-               "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len, "microbatch_rows": rows,
-               "tokens_per_microbatch_per_rank": tokens_mb},
-        params={"total": int(counts["total"]), "active": int(counts["active"])},
-        per_rank=per_rank, ranks=ranks, comm=rank_comm[b][0], time=hw_time, capacity_bytes=capacity,
-        fits=per_rank["peak_bytes"] <= capacity,
-        trace={"mode": "full" if prof.full else "scaled", "mesh": dict(prof.axes), "rows": prof.rows,
-               "lowered": [dict(t) for t in prof.traces], "seconds": round(prof.seconds, 3)},
-        notes=notes, budgeted=bool(cfg.partition.memory_budget), precision=cfg.train.precision,
-        remat=cfg.train.remat, run=run,
-    )
-
-
-def run_config(cfg, dtype: torch.dtype = torch.float32, checkpointing: bool | None = None):
-    """``cfg`` with the planner's ``--dtype`` / ``--checkpointing`` as the run's own keys:
-    ``bfloat16`` is ``train.precision=bf16``, checkpointing ``train.remat=full`` (False: ``none``).
-
-        run_config(cfg, torch.bfloat16, True).train.remat   # "full"
-    """
-    train = cfg.train
-    if dtype == torch.bfloat16:
-        train = dataclasses.replace(train, precision="bf16")
-    elif dtype != torch.float32:
-        raise PlanError("train.precision", f"cannot plan dtype {dtype}; use float32 or bfloat16")
-    if checkpointing is not None:
-        train = dataclasses.replace(train, remat="full" if checkpointing else "none")
-    return cfg if train is cfg.train else dataclasses.replace(cfg, train=train)
+        plan.notes.append("bytes and collectives per rank from the lowered stage programs" if pipeline is not None
+                          else "pipeline collectives from per-layer traces of the stage mesh; gradient sums held "
+                               "unsharded over fsdp until the step's reduction")
 
 
 def _exact_pipeline(model, model_cfg) -> bool:
@@ -370,7 +394,7 @@ def step_time(cfg, layout: Layout, hw: Hardware, facts: ModelFacts, stages, stag
     per-step collectives of the slowest rank (see the module docstring). ``p2p=False`` leaves
     the P2P delay out (a lower bound)."""
     seq, m = cfg.train.seq_len, layout.microbatches
-    rates = Rates.of(hw, achieved=False)  # the traced program at peak rates: a bound to rank layouts by
+    rates = Rates.of(hw, achieved=False)  # the traced program at datasheet peaks, nothing overlapped
     intra = intra_node(layout, hw)
     peak = rates.peak(dtype)
     recompute = 8.0 / 6.0 if layout.checkpointing else 1.0

@@ -101,6 +101,34 @@ class Layout:
         virtual = f"x{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
         return f"{axes} mb={self.microbatches} {self.schedule}{virtual}{' ckpt' if self.checkpointing else ''}"
 
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """The layout :meth:`describe` prints: axis sizes ``pp=8 fsdp=2 ep=32``, ``mb=8``, a
+        schedule name (``interleaved_1f1b``, with ``x2`` for two stages per rank) and ``ckpt``.
+
+        Example:
+            Layout.parse("pp=8 fsdp=2 ep=32 mb=8 interleaved_1f1b ckpt").world_size   # 512
+
+        Raises:
+            ValueError: a word that is none of those.
+        """
+        fields: dict = {}
+        for word in text.replace(",", " ").split():
+            name, _, value = word.partition("=")
+            if value and name in ("pp", "dp", "fsdp", "ep", "tp", "cp", "mb", "microbatches"):
+                fields["microbatches" if name in ("mb", "microbatches") else name] = int(value)
+            elif word == "ckpt":
+                fields["checkpointing"] = True
+            elif canonical_name(word.rsplit("x", 1)[0] if word[-1].isdigit() and "x" in word else word) in SCHEDULES:
+                base, _, virtual = word.rpartition("x") if word[-1].isdigit() and "x" in word else (word, "", "")
+                fields["schedule"] = canonical_name(base)
+                if virtual:
+                    fields["virtual"] = int(virtual)
+            else:
+                raise ValueError(f"layout: {word!r} is not an axis size (pp=8), mb=N, a schedule "
+                                 f"({', '.join(SCHEDULES)}) or ckpt")
+        return cls(**fields)
+
     def to_dict(self) -> dict:
         return {**self.axes(), "microbatches": self.microbatches, "schedule": self.schedule,
                 "stages_per_rank": self.stages_per_rank, "checkpointing": self.checkpointing,
@@ -165,7 +193,7 @@ def check_pipeline(cfg, layout: Layout) -> None:
         raise PlanError("pipeline.microbatches", f"must be >= 1, got {layout.microbatches}")
     if layout.pp > 1:
         try:
-            schedule_of(layout)
+            schedule_of(layout, communication=False)
         except ValueError as e:
             raise PlanError(
                 "pipeline.microbatches" if "microbatch" in str(e) else "pipeline.schedule", str(e)
@@ -188,14 +216,16 @@ def _world_message(layout: Layout, gpus: int) -> str:
 # ============================================================================ the schedule
 
 
-def schedule_of(layout: Layout):
-    """The layout's pipeline schedule (``partition.schedules.get_schedule``), cached."""
-    return _schedule_for(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank)
+def schedule_of(layout: Layout, *, communication: bool = True):
+    """The layout's pipeline schedule (``partition.schedules.get_schedule``), cached; without
+    its P2P actions when ``communication`` is False (the compute order, the same makespan and
+    in-flight counts, built in a fraction of the time)."""
+    return _schedule_for(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, communication)
 
 
 @functools.lru_cache(maxsize=512)
-def _schedule_for(name: str, pp: int, microbatches: int, virtual: int):
-    return get_schedule(name, pp, microbatches, n_virtual=virtual)
+def _schedule_for(name: str, pp: int, microbatches: int, virtual: int, communication: bool = True):
+    return get_schedule(name, pp, microbatches, n_virtual=virtual, communication=communication)
 
 
 def rank_stages(layout: Layout) -> list[tuple[int, ...]]:
@@ -210,19 +240,21 @@ def rank_stages(layout: Layout) -> list[tuple[int, ...]]:
     return [sched.stages_of(r) for r in range(layout.pp)]
 
 
-def inflight(layout: Layout, stage_act: Sequence[int]) -> tuple[list[int], list[int], list[dict]]:
+def inflight(layout: Layout, stage_act: Sequence[int], *, sends: bool = True
+             ) -> tuple[list[int], list[int], list[dict]]:
     """Per pipeline rank: the most activation bytes held at once, the most microbatches held,
-    and the P2P sends per step (from the schedule's actions)."""
-    return _inflight_for(layout.pp, layout.microbatches, layout.schedule, layout.virtual, tuple(stage_act))
+    and the P2P sends per step (from the schedule's actions; ``sends=False``: not counted, and
+    the schedule built without its P2P actions)."""
+    return _inflight_for(layout.pp, layout.microbatches, layout.schedule, layout.virtual, tuple(stage_act), sends)
 
 
 @functools.lru_cache(maxsize=4096)
-def _inflight_for(p: int, m: int, schedule: str, virtual: int | None, stage_act: tuple):
+def _inflight_for(p: int, m: int, schedule: str, virtual: int | None, stage_act: tuple, communication: bool = True):
     layout = Layout(pp=p, microbatches=m, schedule=schedule, virtual=virtual)
     if p == 1:
         return [stage_act[0]], [1], [{}]
     peak_bytes, peak_mb, sends = [], [], []
-    for actions in schedule_of(layout).actions:
+    for actions in schedule_of(layout, communication=communication).actions:
         held = held_mb = top = top_mb = 0
         count = {"SEND_F": 0, "SEND_B": 0}
         for a in actions:
@@ -244,10 +276,12 @@ def makespan_units(layout: Layout, costs: dict, comm_units: float) -> tuple[floa
     p, m = layout.pp, layout.microbatches
     if p == 1:
         return m * (costs["F"] + costs["B"]), 0.0
-    return _simulate_for(layout.schedule, p, m, layout.stages_per_rank, tuple(sorted(costs.items())), comm_units)
+    # the P2P delay to two significant digits: layouts that differ below that share one simulation
+    return _simulate_for(layout.schedule, p, m, layout.stages_per_rank, tuple(sorted(costs.items())),
+                         float(f"{comm_units:.2g}"))
 
 
 @functools.lru_cache(maxsize=4096)
 def _simulate_for(name: str, pp: int, microbatches: int, virtual: int, costs: tuple, comm: float):
-    sim = simulate(_schedule_for(name, pp, microbatches, virtual), costs=dict(costs), comm=comm)
+    sim = simulate(_schedule_for(name, pp, microbatches, virtual, False), costs=dict(costs), comm=comm)
     return sim.makespan, sim.bubble

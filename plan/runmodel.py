@@ -1,4 +1,4 @@
-"""A GPU run's step time and memory, term by term: the ``run`` section of a plan.
+"""A GPU run's step time and memory, term by term: the estimate a plan leads with (``time``, ``memory``, ``fits``).
 
 The traced plan (``plan.estimate``) is exact about the program shardfn emits on a CPU trace; a
 GPU run differs from it in known ways: kernels reach a share of peak that depends on their
@@ -13,9 +13,10 @@ term is a named entry of the result, so a plan says where its time and bytes go.
                        spec=RunSpec(remat="selective_op", rows=2))
     est["tokens_per_s_per_device"], est["memory"]["reserved_bytes"] / 2**30
 
-Two constants are fitted (docs/plan.md says on which run): the sustained clock of the 500 W
-``h100_96gb`` part (``partition.hardware.EFFICIENCY``) and :data:`EXPERT_LOAD_IMBALANCE`.
-Everything else is a datasheet number, a published measurement or a count.
+Three constants are fitted, each on one published run (docs/plan.md says which): the sustained
+clock of the 500 W ``h100_96gb`` part (``partition.hardware.EFFICIENCY``),
+:data:`EXPERT_LOAD_IMBALANCE` and :data:`EAGER_ELEMENTWISE_FACTOR`. Everything else is a
+datasheet number, a published measurement or a count.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ LOSS_BYTES_PER_LOGIT = 16
 """Cross-entropy's HBM traffic per logit: the bf16 logits read, the fp32 upcast written and read
 for the log-sum-exp, the fp32 gradient written and cast back to bf16."""
 
+EAGER_ELEMENTWISE_FACTOR = 3.3
+"""The memory-bound ops' HBM traffic without ``torch.compile`` over the traffic with it: eager
+runs each norm, rotary, SwiGLU product and residual add as separate kernels that write and read
+back their intermediates, where inductor fuses neighbours (fitted on TorchTitan's eager Llama 3.1
+8B FSDP 8 run against its compiled twin; docs/plan.md)."""
+
+EAGER_LOSS_EXTRA_BYTES_PER_LOGIT = 4
+"""Eager cross-entropy holds log-softmax's fp32 output beside the fp32 upcast at its peak, where
+the compiled loss fuses the two (a count, checked on the eager Llama 3.1 8B run's memory)."""
+
 ADAMW_BYTES_PER_PARAM = 34
 """A fused AdamW step per parameter (fp32 master weights): read parameter, gradient and two
 moments (16), write parameter and moments (12), write the bf16 compute copy (2), and the
@@ -90,9 +101,11 @@ class RunSpec:
         sequence_parallel: under tp, the residual stream between the matmul blocks is split over
             tp as well (Megatron-LM's and TorchTitan's sequence parallelism).
         ep_overlap: share of the MoE exchange hidden behind compute.
+        compile: the step is compiled (``train.compile`` not false): inductor fuses the
+            memory-bound ops (:data:`EAGER_ELEMENTWISE_FACTOR` when eager).
 
     Example:
-        RunSpec(remat="full", rows=2)
+        RunSpec(remat="full", rows=2, compile=False)
     """
 
     remat: str = "none"
@@ -105,10 +118,26 @@ class RunSpec:
     reshard_after_forward: bool = True
     sequence_parallel: bool = True
     ep_overlap: float = EP_EXCHANGE_OVERLAP
+    compile: bool = True
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"RunSpec.remat: {self.remat!r} is not a policy; use one of {', '.join(REMAT_POLICIES)}")
+
+    @classmethod
+    def of(cls, cfg, **overrides) -> "RunSpec":
+        """What a run config says: ``train.remat``, ``train.precision`` (bf16: 2-byte compute),
+        ``train.compile``, ``partition.sequence_parallel``; ``overrides`` replace any field.
+
+            RunSpec.of(load_config("llama3_8b", ["train.precision=bf16"])).compute_bytes   # 2
+        """
+        from shardfn.runtime.train_step import precision_policy
+
+        compute = precision_policy(cfg.train).compute_dtype
+        fields = dict(remat=cfg.train.remat, compute_bytes=torch.empty((), dtype=compute).element_size(),
+                      reduce_bytes=4, sequence_parallel=bool(cfg.partition.sequence_parallel),
+                      compile=cfg.train.compile is not False)
+        return cls(**{**fields, **overrides})
 
 
 @dataclass(frozen=True)
@@ -149,15 +178,16 @@ class Shape:
     kv_width: int = 0      # K and V elements per token that attention reads (cp gathers them)
 
 
-def model_shape(cfg, layout: Layout) -> Shape:
-    """The run model's view of ``cfg.model`` on ``layout``'s mesh (shards as ``cfg.rules`` place them).
+def model_shape(cfg, layout: Layout, model=None) -> Shape:
+    """The run model's view of ``cfg.model`` on ``layout``'s mesh (shards as ``cfg.rules`` place them);
+    ``model``: the model module when the caller has resolved it.
 
         model_shape(load_config("llama3_1_8b"), Layout(fsdp=8)).matmuls["layers"][0]
     """
     from shardfn import models
     from shardfn.plan.inventory import mesh_leaves
 
-    model, mcfg = models.get(cfg.model_name), cfg.model
+    model, mcfg = model or models.get(cfg.model_name), cfg.model
     leaves = mesh_leaves(model, mcfg, layout.axes(include_pp=False), cfg.rules, torch.float32)
     stacks = dict(model.stacks(mcfg))
     mm = {k: [] for k in stacks}
@@ -249,7 +279,8 @@ def rank_layers(shape: Shape, layout: Layout) -> dict:
     return {k: out[k] for k in shape.stacks}
 
 
-def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, layers: dict, rank: int = 0) -> dict:
+def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, layers: dict, rank: int = 0, *,
+                 schedule: bool = True) -> dict:
     """Peak bytes of pipeline rank ``rank``, term by term: fp32 master weights, gradients and
     AdamW state of its shards; under fsdp the layer in use and the prefetched next one gathered
     in bf16 plus one layer's unsharded gradient; the activations its in-flight microbatches hold
@@ -273,12 +304,16 @@ def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, la
     per_layer = {k: saved_per_token_layer(shape, k, spec.remat, it, layout.tp, spec.sequence_parallel)
                  for k in layers}
     stage_mb = sum(n * per_layer[k] for k, n in layers.items()) * tokens_mb / layout.stages_per_rank
-    held, held_mb, _ = inflight(layout, [stage_mb] * layout.n_stages)
-    activations, in_flight = held[rank], held_mb[rank]
+    if schedule:
+        held, held_mb, _ = inflight(layout, [stage_mb] * layout.n_stages, sends=False)
+        activations, in_flight = held[rank], held_mb[rank]
+    else:  # a floor: every rank holds at least one stage-microbatch (floor_bytes)
+        activations, in_flight = stage_mb, 1
     inside = max(saved_per_token_layer(shape, k, "none", it, layout.tp, spec.sequence_parallel)
                  for k, n in layers.items() if n)
     layer_transient = 2 * inside * tokens_mb
-    loss_transient = tokens_mb * shape.vocab / layout.tp * (it + 4 + 4) if last else 0.0
+    loss_bytes = it + 4 + 4 + (0 if spec.compile else EAGER_LOSS_EXTRA_BYTES_PER_LOGIT)
+    loss_transient = tokens_mb * shape.vocab / layout.tp * loss_bytes if last else 0.0
     transient = max(layer_transient, loss_transient)
     allocated = sum(state.values()) + gathered + activations + transient
     reserved = allocated * (1 + ALLOCATOR_FRAGMENTATION)
@@ -291,6 +326,19 @@ def memory_terms(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int, la
             "allocated_bytes": allocated, "fragmentation_bytes": reserved - allocated, "reserved_bytes": reserved,
             "cuda_context_bytes": CUDA_CONTEXT_BYTES, "nccl_bytes": NCCL_BYTES_PER_GROUP * groups,
             "device_bytes": reserved + outside}
+
+
+def floor_bytes(shape: Shape, layout: Layout, spec: RunSpec, tokens_mb: int) -> float:
+    """Device bytes no estimate of ``layout`` goes below: :func:`memory_terms` of its first and
+    last pipeline rank with one stage-microbatch of activations held instead of the schedule's
+    in-flight count (every other term needs no schedule). A search drops a layout whose floor
+    exceeds the memory before it builds the layout's schedule.
+
+        floor_bytes(shape, Layout(pp=8, ep=32), RunSpec(remat="full"), 4096)
+    """
+    layers = rank_layers(shape, layout)
+    return max(memory_terms(shape, layout, spec, tokens_mb, layers, r, schedule=False)["device_bytes"]
+               for r in {0, layout.pp - 1})
 
 
 # ============================================================================ time terms
@@ -326,7 +374,8 @@ def time_terms(shape: Shape, layout: Layout, spec: RunSpec, rates: Rates, tokens
     attn_flops = n_layers * shape.attn_flops_per_token_seq * seq * tokens_mb / layout.tp
     attention = rates.attention_s(attn_flops * (4 / 3 if spec.remat == "full" else 1.0), dtype)
     act_bytes = sum(n * saved_per_token_layer(shape, k, "none", it, layout.tp) for k, n in layers.items())
-    memory_bound = rates.memory_s(ELEMENTWISE_PASSES * (1.0 + (spec.remat != "none") / 3) * act_bytes * tokens_mb
+    passes = ELEMENTWISE_PASSES * (1.0 if spec.compile else EAGER_ELEMENTWISE_FACTOR)
+    memory_bound = rates.memory_s(passes * (1.0 + (spec.remat != "none") / 3) * act_bytes * tokens_mb
                                   + LOSS_BYTES_PER_LOGIT * tokens_mb * shape.vocab / layout.tp)
     compute = matmul + attention + memory_bound
     # fsdp: each layer's weights gathered (bf16) for the forward and again for the backward, its
@@ -363,25 +412,32 @@ def time_terms(shape: Shape, layout: Layout, spec: RunSpec, rates: Rates, tokens
             "ep_exposed_s": ep * (1 - spec.ep_overlap), "microbatch_s": exposed}
 
 
-def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec: RunSpec | None = None) -> dict:
+def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware | Rates = "h200", spec: RunSpec | None = None,
+                 shape: Shape | None = None, layers: dict | None = None, bound: bool = False) -> dict:
     """A GPU run of ``cfg`` under ``layout``: step time, tokens/s per device, MFU and peak memory,
     with every term named (see the module docstring).
+
+    ``shape`` is :func:`model_shape` of the layout's mesh when the caller has it (a search keeps
+    one per mesh); ``layers`` the busiest pipeline rank's layers per stack when the stage split
+    is known (default :func:`rank_layers`). ``bound``: the pipeline without its bubble and P2P
+    delay (no schedule simulated), so ``step_s`` is a lower bound on the estimate's and every
+    other number is the estimate's (a search ranks by it before it simulates).
 
     Example:
         est = run_estimate(cfg, Layout(fsdp=8), hardware="h100_96gb", spec=RunSpec(remat="selective_op", rows=2))
         est["time"]["step_s"], est["memory"]["reserved_bytes"]
     """
-    spec = spec or RunSpec(remat=cfg.train.remat)
-    rates = Rates.of(hardware)
+    spec = spec or RunSpec.of(cfg)
+    rates = hardware if isinstance(hardware, Rates) else Rates.of(hardware)
     hw = rates.hardware
-    shape = model_shape(cfg, layout)
+    shape = shape or model_shape(cfg, layout)
     seq = cfg.train.seq_len
     rows = spec.rows if spec.rows is not None else cfg.train.batch_size // layout.data_size // layout.microbatches
     if rows < 1:
         raise ValueError(f"train.batch_size: {cfg.train.batch_size} leaves no row per microbatch on "
                          f"{layout.data_size} data ranks x {layout.microbatches} microbatches")
     tokens_mb = rows * seq // layout.cp  # a context-parallel rank holds 1/cp of each sequence
-    layers = rank_layers(shape, layout)
+    layers = layers or rank_layers(shape, layout)
     t = time_terms(shape, layout, spec, rates, tokens_mb, seq, layers)
     per_mb = t["microbatch_s"]
     m = layout.microbatches
@@ -389,7 +445,10 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
     p2p = rates.p2p_s(tokens_mb * shape.dim * spec.compute_bytes, intra["pp"]) if layout.pp > 1 else 0.0
     costs = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
     unit = per_mb / 3 / layout.stages_per_rank
-    makespan, bubble = makespan_units(layout, costs, p2p / unit if unit else 0.0)
+    if bound:
+        makespan, bubble = m * layout.stages_per_rank * (costs["F"] + costs["B"]), 0.0
+    else:
+        makespan, bubble = makespan_units(layout, costs, p2p / unit if unit else 0.0)
     pipeline = makespan * unit
     local = sum(n * shape.layer_local[k] for k, n in layers.items()) + shape.head_local
     optimizer = rates.memory_s(local * ADAMW_BYTES_PER_PARAM)
@@ -406,7 +465,8 @@ def run_estimate(cfg, layout: Layout, *, hardware: str | Hardware = "h200", spec
     mem = max((memory_terms(shape, layout, spec, tokens_mb, layers, r) for r in {0, layout.pp - 1}),
               key=lambda x: x["device_bytes"])
     return {
-        "hardware": hw.name, "remat": spec.remat, "rows_per_microbatch": rows, "rank_layers": layers,
+        "hardware": hw.name, "remat": spec.remat, "compile": spec.compile, "rows_per_microbatch": rows,
+        "rank_layers": layers,
         "time": {**t, "pipeline_s": pipeline, "bubble": bubble, "p2p_s": p2p, "optimizer_s": optimizer,
                  "dp_s": dp, "dp_exposed_s": dp_exposed, "fixed_s": STEP_OVERHEAD_S, "step_s": step},
         "tokens_per_s_per_device": per_device, "model_flops_per_token": model_flops,

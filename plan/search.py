@@ -1,7 +1,15 @@
-"""The layouts of N devices that fit, fastest first.
+"""The layouts of N devices that fit, fastest first, by the one estimate.
+
+Every valid layout is priced by the run model (``plan.runmodel``, through the resolved run of
+``plan.resolve``), in closed form from its mesh's parameter shards: milliseconds each, with no
+lowering, so the search ranks every layout it enumerates and its answer does not depend on the
+machine's load. The work a search does is counted, not timed: the layouts it estimates, and the
+``trace`` top layouts whose steps it lowers for the traced detail.
 
     found = search(load_config("kimi_k2_1t"), gpus=1024, hardware="h200", top=5)
     [p.layout.describe() for p in found.plans]
+    found = search(cfg, gpus=512, reference=Layout(pp=8, fsdp=2, ep=32, microbatches=8, ...))
+    found.reference["rank"], found.reference["why"]
 """
 
 from __future__ import annotations
@@ -13,24 +21,27 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardfn.core.units import format_bytes
-from shardfn.partition.hardware import Hardware, load_hardware
-from shardfn.partition.layouts import MESH_AXES, divisors
-from shardfn.plan.estimate import make_plan, profile_key, step_time
-from shardfn.plan.inventory import Leaf, RankShare, leaf_on_rank, memory_bytes, mesh_leaves, model_facts, stage_shares
-from shardfn.plan.layout import Layout, PlanError, check_layout_batch, check_mesh, check_pipeline, inflight
-from shardfn.plan.profile import Comm
+from shardfn.partition.hardware import Hardware
+from shardfn.partition.layouts import divisors
+from shardfn.plan.estimate import make_plan
+from shardfn.plan.layout import Layout, PlanError, check_layout, check_layout_batch, check_mesh, check_pipeline
+from shardfn.plan.resolve import Resolved, resolve
+
+STEP_TERMS = ("matmul_s", "attention_s", "memory_bound_s", "fsdp_exposed_s", "tp_s", "cp_s", "ep_exposed_s")
+"""The per-microbatch terms of the estimate that :func:`step_terms` spreads over a step."""
 
 
 @dataclass
 class SearchResult:
-    """What :func:`search` found: the fitting plans, fastest first, and what it left out.
+    """What :func:`search` found: the fitting layouts, fastest first by the estimate.
 
-    ``refused`` are layouts that cannot run (``{"layout", "key", "reason"}``); ``too_big`` those
-    whose peak memory exceeds the device (``{"layout", "peak_bytes", "bound"}``, ``bound`` True
-    when a lower bound already ruled them out without lowering their step: from shapes alone,
-    or from the step traced but not lowered); ``not_planned`` how many valid layouts were never
-    planned because a lower bound on their step time was slower than the ``top`` fitting plans
-    found.
+    ``plans`` are the ``top`` fastest that fit (:class:`~shardfn.plan.estimate.Plan`; the first
+    ``lowered`` of them with the traced detail). ``ranked`` is every fitting layout that could be
+    among them (or faster than the reference) as ``(step_s, layout)``, fastest first: the
+    ``fitting - len(ranked)`` others have a step-time bound slower than those; ``too_big`` those estimated not to fit
+    (``{"layout", "device_bytes"}``); ``refused`` those that cannot run (``{"layout", "key",
+    "reason"}``). ``reference``, when a layout was given to compare, says where it ranks and why
+    (:func:`compare`). ``seconds`` is reported only: nothing in the answer depends on it.
 
     Example:
         found = search(cfg, gpus=1024); found.plans[0].layout.describe()
@@ -38,17 +49,16 @@ class SearchResult:
 
     gpus: int
     plans: list
+    ranked: list
     too_big: list
     refused: list
-    not_planned: int
+    estimated: int                # valid layouts the estimate priced
     seconds: float
-    traced_profiles: int          # distinct profiles (mesh without pp, microbatch rows, remat) the plans used
-    planned: int = 0              # layouts planned
-    lowered: int = 0              # steps lowered for their profiles (three per new profile of a large model)
-    traced: int = 0               # steps traced but not lowered, for the traced memory bound
-    over_budget: int = 0          # of not_planned: left when the time budget was spent
-    over_budget_bound: float | None = None  # the least step-time bound among those
-    budget_s: float | None = None
+    lowered: int = 0              # plans traced for their detail
+    reference: dict | None = None
+    capacity_bytes: int = 0
+    budgeted: bool = False
+    fitting: int = 0              # layouts that fit; ``ranked`` holds those whose schedule was simulated
 
     def to_list(self) -> list[dict]:
         """The fitting plans as JSON objects, fastest first (``shardfn plan --search --json``)."""
@@ -59,6 +69,11 @@ class SearchResult:
         for r in self.refused:
             out[r["key"]] = out.get(r["key"], 0) + 1
         return out
+
+    def rank_of(self, layout: Layout) -> int | None:
+        """1-based rank of ``layout`` among the fitting layouts (None: not among them)."""
+        name = layout.describe()
+        return next((i for i, (_, lay) in enumerate(self.ranked, 1) if lay.describe() == name), None)
 
 
 LONG_SEQUENCE = 8192
@@ -81,10 +96,12 @@ def cp_options(seq_len: int, ranks: int) -> list[int]:
     return [c for c in divisors(ranks) if c == 1 or (seq_len % (2 * c) == 0 and seq_len // c >= MIN_CP_TOKENS)]
 
 
-def _mesh_candidates(cfg, gpus: int, max_tp: int) -> list[dict]:
-    from shardfn import models
+def _mesh_candidates(cfg, gpus: int, max_tp: int, model=None) -> list[dict]:
+    if model is None:
+        from shardfn import models
 
-    moe = "expert" in models.get(cfg.model_name).layout_units(cfg.model)
+        model = models.get(cfg.model_name)
+    moe = "expert" in model.layout_units(cfg.model)
     out = []
     for pp in divisors(gpus):
         for tp in [d for d in divisors(gpus // pp) if d <= max_tp]:
@@ -107,206 +124,168 @@ def _microbatch_options(cfg, axes: dict) -> list[int]:
     return sorted(m for m in wanted if per_rank % m == 0) or [first]
 
 
-def _static_key(layout: Layout) -> tuple:
-    """What a mesh's parameter, gradient and optimizer bytes per pp rank depend on besides it."""
-    return layout.stages_per_rank, layout.schedule if layout.stages_per_rank > 1 else ""
+def step_terms(est: dict) -> dict:
+    """Where the estimate's step goes, in seconds per step that add up to ``step_s``: each
+    per-microbatch term's share of the pipeline's busy time, the bubble, the optimizer, the
+    exposed dp reduction and the fixed overhead.
+
+    Example:
+        step_terms(resolve(cfg).estimate(layout))["ep_exposed_s"]
+    """
+    t = est["time"]
+    busy = t["pipeline_s"] * (1 - t["bubble"])
+    per_mb = sum(t.get(k, 0.0) for k in STEP_TERMS) or 1.0
+    out = {k: busy * t.get(k, 0.0) / per_mb for k in STEP_TERMS}
+    out.update(bubble_s=t["pipeline_s"] * t["bubble"], optimizer_s=t["optimizer_s"], dp_exposed_s=t["dp_exposed_s"],
+               fixed_s=t["fixed_s"])
+    return out
 
 
-def _fsdp_comm(leaves: Sequence[Leaf], share: RankShare, layout: Layout, tied: bool) -> tuple[Comm, Comm]:
-    """The least ``fsdp`` traffic of a rank's share: per microbatch, each fsdp-sharded weight
-    gathered once (``(bytes, count)``, bytes of the gathered output); per step, its gradient
-    reduce-scattered once. Empty without ``fsdp``."""
-    if layout.fsdp == 1:
-        return {}, {}
-    nbytes, count = 0, 0
-    for leaf in leaves:
-        layers = leaf_on_rank(leaf, share, tied)
-        if layers and "fsdp" in leaf.spec.axes():
-            nbytes += leaf.local_bytes(layers if leaf.stack else None) * layout.fsdp
-            count += 1
-    if not count:
-        return {}, {}
-    return {("all_gather", "fsdp"): (nbytes, count)}, {("reduce_scatter", "fsdp"): (nbytes, count)}
+def compare(top: dict, other: dict, *, terms: int = 3) -> str:
+    """Why ``top``'s estimate is faster or slower than ``other``'s: the step-time terms
+    (:func:`step_terms`) that differ most, largest first.
 
-
-def _lower_bounds(cfg, layout: Layout, hw: Hardware, dtype, facts, static: list[dict],
-                  leaves: Sequence[Leaf] = ()) -> tuple[int, float]:
-    """``(peak bytes, step seconds)`` that the layout's plan cannot go below: the parameters,
-    gradients and optimizer state plus each layer's input held for the in-flight microbatches;
-    and the step time with no traced collective but the least ``fsdp`` traffic of ``leaves``
-    (each sharded weight gathered once per microbatch, its gradient reduce-scattered once),
-    besides compute, the estimated all-to-alls and P2P."""
-    from shardfn import models
-
-    model, mcfg = models.get(cfg.model_name), cfg.model
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    tokens_mb = rows * cfg.train.seq_len // layout.cp
-    stages = stage_shares(model, cfg, layout)  # the plan's split (fp32 master weights)
-    held_layers, _, _ = inflight(layout, [sum(s.counts.values()) for s in stages])
-    input_bytes = tokens_mb * model.embed_dim(mcfg) * itemsize
-    peak = max(s["params"] + s["grads"] + s["opt_state"] + h * input_bytes for s, h in zip(static, held_layers))
-    tied = model.ties_embeddings(mcfg)
-    fsdp = [_fsdp_comm(leaves, share, layout, tied) for share in stages]
-    t = step_time(cfg, layout, hw, facts, stages, [mb for mb, _ in fsdp], [step for _, step in fsdp] or [{}],
-                   tokens_mb, tokens_mb * facts.top_k * model.embed_dim(mcfg) * itemsize, input_bytes, dtype, p2p=False)
-    return peak, t["step_s"]
-
-
-def _traced_peak_bound(cfg, layout: Layout, dtype, static: list[dict], leaves: Sequence[Leaf], cache: dict) -> int:
-    """A lower bound on the layout's peak memory from its step traced but not lowered
-    (:func:`~shardfn.plan.profile.saved_profile`): each stage saves at least its share of the
-    global program's saved activations over the stage mesh's ranks (and at least each layer's
-    input, as :func:`_lower_bounds` counts), held for the schedule's in-flight microbatches,
-    plus one layer's working set as the plan counts it (its activations so bounded, its
-    weights gathered over ``fsdp``). ``cache`` keeps the traced programs' numbers."""
-    from shardfn import models
-    from shardfn.plan.estimate import FULL_TRACE_MAX_LAYERS, _transient, run_config
-    from shardfn.plan.inventory import rank_shares
-    from shardfn.plan.profile import saved_profile
-
-    model, mcfg = models.get(cfg.model_name), cfg.model
-    run = run_config(cfg, dtype, layout.checkpointing)
-    rows = cfg.train.batch_size // layout.data_size // layout.microbatches
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    input_bytes = rows * cfg.train.seq_len // layout.cp * model.embed_dim(mcfg) * itemsize
-    full = layout.pp == 1 and model.layer_count(mcfg) <= FULL_TRACE_MAX_LAYERS  # as make_plan traces it
-    ranks = layout.world_size // layout.pp
-    low = saved_profile(run, layout.axes(include_pp=False), rows, full=full, cache=cache)
-    stages = stage_shares(model, cfg, layout)
-    if low.full:
-        stage_low = [low.base // ranks]
-        layer_low = {k: low.base // model.layer_count(mcfg) // ranks for k, _ in model.stacks(mcfg)}
-    else:
-        layer_low = {k: max(0, b) // ranks for k, b in low.per_layer.items()}
-        stage_low = [sum(n * layer_low[k] for k, n in s.counts.items()) + (max(0, low.base) // ranks if s.last else 0)
-                     for s in stages]
-    stage_low = [max(lo, sum(s.counts.values()) * input_bytes) for lo, s in zip(stage_low, stages)]
-    held, _, _ = inflight(layout, stage_low)
-    tied = model.ties_embeddings(mcfg)
-    peak = max(st["params"] + st["grads"] + st["opt_state"] + h + _transient(leaves, share, layer_low, layout, tied)
-               for st, h, share in zip(static, held, rank_shares(model, cfg, layout)))
-    return peak
+    Example:
+        compare(run.estimate(best), run.estimate(published))   # "ep_exposed -1.2 s, bubble +0.4 s, ..."
+    """
+    a, b = step_terms(top), step_terms(other)
+    diff = sorted(((a[k] - b[k], k) for k in a), key=lambda d: -abs(d[0]))
+    return ", ".join(f"{k.removesuffix('_s')} {d:+.3g} s" for d, k in diff[:terms] if d)
 
 
 def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dtype = torch.float32,
            schedules: Sequence[str] = ("1f1b", "interleaved_1f1b", "zbh1", "dualpipev"),
            microbatches: Sequence[int] | None = None, checkpointing: Sequence[bool] = (False, True),
            max_tp: int | None = None, top: int = 10, progress: Callable[[str], Any] | None = None,
-           budget_s: float | None = None,
-           profiles: dict | None = None) -> SearchResult:
-    """Layouts of ``cfg`` on ``gpus`` devices that fit, ranked by estimated step time.
+           trace: int = 0, reference: Layout | None = None, profiles: dict | None = None,
+           resolved: Resolved | None = None) -> SearchResult:
+    """Layouts of ``cfg`` on ``gpus`` devices that fit, ranked by the estimate's step time.
 
     Every ``(pp, dp, fsdp, ep, tp)`` whose product is ``gpus`` (``tp`` up to ``max_tp``, default
-    the hardware's ``gpus_per_node``) is combined with microbatch counts (``microbatches``, or
-    ``pp x 1, 2, 4, 8``, and one row per microbatch when that is within that range), ``schedules`` (``1f1b`` alone when
-    ``pp == 1``) and ``checkpointing``. Invalid layouts are refused with the key to change.
-    The valid ones are ordered by a lower bound on their step time and planned in that order,
-    skipping any whose lower bound on peak memory already exceeds the device, until ``top``
-    fitting plans are found that no unplanned layout can beat. Layouts that share the mesh
-    without ``pp``, the microbatch rows and checkpointing share one traced profile (``profiles``,
-    a dict the caller may keep between searches), so pipeline depths and schedules cost no
-    lowering of their own. ``progress`` (e.g. ``print``) hears what is bounded, planned and
-    lowered, and how long each took. ``budget_s`` bounds the search's time: once it is spent no
-    new mesh is lowered (layouts whose profile is already traced are still planned, a fraction of
-    a second each), and the result says how many layouts were left and the least step-time bound
-    among them (``None``: plan until the ``top`` plans are proven best).
+    the hardware's ``gpus_per_node``; ``cp`` too for long sequences) is combined with microbatch
+    counts (``microbatches``, or ``pp x 1, 2, 4, 8``, and one row per microbatch when that is
+    within that range), ``schedules`` (``1f1b`` alone when ``pp == 1``) and ``checkpointing``.
+    Invalid layouts are refused with the key to change. Every valid one is estimated
+    (``Resolved.estimate``: the answer ``shardfn plan`` prints for it); those whose device bytes
+    exceed ``partition.memory_budget`` or the device are dropped, the rest ranked by step time
+    (ties by name). The pipeline schedules are simulated in order of a step-time bound without
+    the bubble, until no unsimulated layout can be faster than the ``top`` ones (or than
+    ``reference``). The ``top`` fastest become plans; the first ``trace`` of them are lowered for
+    their traced detail (a work budget, counted in layouts). ``reference``: a layout to place in
+    the ranking, with the terms that make the top layout faster or slower than it.
 
     Example:
         found = search(load_config("kimi_k2_1t"), gpus=1024, hardware="h200", top=5)
         [p.layout.describe() for p in found.plans]
     """
-    from shardfn import models
-
     tic = time.perf_counter()
     say = progress or (lambda line: None)
-    profiles = {} if profiles is None else profiles  # one traced profile per mesh, microbatch rows and remat
-    known = set(profiles)
-    hw = load_hardware(hardware)
-    model = models.get(cfg.model_name)
-    max_tp = max_tp or hw.gpus_per_node
-    capacity = int(cfg.partition.memory_budget or hw.hbm_bytes)
-    facts = model_facts(model, cfg.model, mesh_leaves(model, cfg.model, {a: 1 for a in MESH_AXES}, cfg.rules, dtype))
+    run = resolved or resolve(cfg, hardware=hardware, dtype=dtype)
+    cfg = run.cfg
+    max_tp = max_tp or run.hardware.gpus_per_node
     refused, too_big, candidates = [], [], []
-    statics: dict = {}       # (mesh, stages per rank and schedule) -> memory_bytes per pp rank
-    fsdp_leaves: dict = {}   # mesh -> its leaves, when it has fsdp (the bounds' least fsdp traffic)
-    meshes = _mesh_candidates(cfg, gpus, max_tp)
-    say(f"search: {len(meshes)} meshes of {gpus} devices; bounding the step time and memory of their layouts")
-    last_said = time.perf_counter()
-    for i, axes in enumerate(meshes):
-        if time.perf_counter() - last_said > 2:
-            say(f"  bounds: {i}/{len(meshes)} meshes, {len(candidates)} layouts ({time.perf_counter() - tic:.0f} s)")
-            last_said = time.perf_counter()
+    estimated = 0
+    meshes = _mesh_candidates(cfg, gpus, max_tp, run.model)
+    say(f"search: {len(meshes)} meshes of {gpus} devices; estimating every layout of them")
+    for axes in meshes:
         mesh_layout = Layout(**axes)
         try:
             check_mesh(cfg, mesh_layout)
         except PlanError as e:
             refused.append({"layout": mesh_layout.describe(), "key": e.key, "reason": str(e)})
             continue
-        mesh = tuple(mesh_layout.axes().items())
-        fsdp_leaves[mesh] = mesh_leaves(model, cfg.model, axes, cfg.rules, dtype) if axes["fsdp"] > 1 else ()
         for m in (microbatches or _microbatch_options(cfg, axes)):
             for sched in (schedules if axes["pp"] > 1 else ("1f1b",)):
                 for ckpt in checkpointing:
                     layout = Layout(**axes, microbatches=m, schedule=sched, checkpointing=ckpt)
                     try:
-                        check_pipeline(cfg, layout)
                         check_layout_batch(cfg, layout)
+                        floor = run.floor_bytes(layout)
+                        if floor > run.capacity_bytes:  # over by what needs no schedule: none is built
+                            too_big.append({"layout": layout.describe(), "device_bytes": floor})
+                            continue
+                        check_pipeline(cfg, layout)
                     except PlanError as e:
                         refused.append({"layout": layout.describe(), "key": e.key, "reason": str(e)})
                         continue
-                    skey = (mesh, _static_key(layout))
-                    if skey not in statics:
-                        statics[skey] = memory_bytes(cfg, layout)  # fp32 master weights and state
-                    peak, step = _lower_bounds(cfg, layout, hw, dtype, facts, statics[skey], fsdp_leaves[mesh])
-                    if peak > capacity:
-                        too_big.append({"layout": layout.describe(), "peak_bytes": peak, "bound": True})
+                    est = run.estimate(layout, bound=True)  # exact memory; step time without the bubble
+                    estimated += 1
+                    if est["fits"]:
+                        candidates.append((est["time"]["step_s"], layout.describe(), layout))
                     else:
-                        candidates.append((step, layout))
-    candidates.sort(key=lambda c: (c[0], c[1].describe()))
-    say(f"search: {len(candidates)} layouts to plan in order of their step-time bound, {len(too_big)} whose "
-        f"memory bound exceeds {format_bytes(capacity)}, {len(refused)} refused ({time.perf_counter() - tic:.1f} s)")
-    plans, planned, used, skipped, saved = [], 0, set(), 0, {}
-    pending, over_budget = list(candidates), []
-    while pending:
-        if top and len(plans) >= top:  # what cannot beat the top plans is not planned
-            pending = [c for c in pending if c[0] < plans[top - 1].time["step_s"]]
-            if not pending:
-                break
-        # a layout whose profile another layout already lowered costs a fraction of a second to
-        # plan: those go first, so the top plans fill (and prune the rest) before a new lowering
-        pick = next((c for c in pending if profile_key(cfg, c[1], dtype) in profiles), None)
-        if pick is None:
-            if budget_s is not None and time.perf_counter() - tic > budget_s:
-                over_budget = pending
-                say(f"search: the {budget_s:.0f} s budget is spent; {len(pending)} layouts (step >= "
-                    f"{min(c[0] for c in pending):.3g} s) would need a new lowering and are not planned")
-                break
-            pick = pending[0]
-        pending.remove(pick)
-        bound, layout = pick
-        started = time.perf_counter()
-        mesh = tuple(layout.axes().items())
-        peak = _traced_peak_bound(cfg, layout, dtype, statics[mesh, _static_key(layout)], fsdp_leaves[mesh], saved)
-        if peak > capacity:
-            skipped += 1
-            too_big.append({"layout": layout.describe(), "peak_bytes": peak, "bound": True})
-            say(f"[{planned + skipped}] {layout.describe()}: peak >= {format_bytes(peak)} by its traced step, "
-                f"over {format_bytes(capacity)} ({time.perf_counter() - started:.1f} s)")
-            continue
-        say(f"[{planned + skipped + 1}] planning {layout.describe()} (step >= {bound:.3g} s)")
-        plan = make_plan(cfg, layout, hardware=hw, dtype=dtype, full_trace=False if layout.pp > 1 else None,
-                         profiles=profiles, progress=say)
-        planned += 1
-        used.add((tuple(plan.trace["mesh"].items()), plan.trace["rows"], plan.remat))
-        say(f"  step {plan.time['step_s']:.3g} s, {format_bytes(plan.per_rank['peak_bytes'])} per rank: "
-            f"{'fits' if plan.fits else 'does not fit'} ({time.perf_counter() - started:.1f} s)")
-        if plan.fits:
-            plans.append(plan)
-            plans.sort(key=lambda p: p.time["step_s"])
-        else:
-            too_big.append({"layout": layout.describe(), "peak_bytes": plan.per_rank["peak_bytes"], "bound": False})
-    lowered = sum(len(profiles[k].traces) for k in set(profiles) - known)
-    return SearchResult(gpus, plans[:top] if top else plans, too_big, refused, len(candidates) - planned - skipped,
-                        time.perf_counter() - tic, len(used), planned, lowered, sum(v.traces for v in saved.values()),
-                        len(over_budget), min((c[0] for c in over_budget), default=None), budget_s)
+                        too_big.append({"layout": layout.describe(), "device_bytes": est["memory"]["device_bytes"]})
+    # simulate the schedules in order of the bound until the top layouts (and every layout faster
+    # than the reference) are known: what is left cannot beat them
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    ref_step = run.estimate(reference)["time"]["step_s"] if reference is not None and _valid(run, reference, gpus) \
+        else None
+    ranked: list = []
+    for bound, name, layout in candidates:
+        kth = ranked[top - 1][0] if top and len(ranked) >= top else None
+        if kth is not None and bound > kth and (ref_step is None or bound > ref_step):
+            break
+        ranked.append((run.estimate(layout)["time"]["step_s"], name, layout))
+        ranked.sort(key=lambda r: (r[0], r[1]))
+    say(f"search: {estimated} layouts estimated, {len(candidates)} fit ({len(ranked)} simulated), "
+        f"{len(too_big)} do not, {len(refused)} refused")
+    plans = []
+    for i, (_, _, layout) in enumerate(ranked[:top] if top else ranked):
+        traced = i < trace
+        if traced:
+            say(f"[{i + 1}] lowering {layout.describe()} for its traced detail")
+        plans.append(make_plan(cfg, layout, resolved=run, trace=traced, profiles=profiles, progress=say))
+    result = SearchResult(gpus, plans, [(s, lay) for s, _, lay in ranked], too_big, refused, estimated,
+                          time.perf_counter() - tic, min(trace, len(plans)), None, run.capacity_bytes, run.budgeted,
+                          len(candidates))
+    if reference is not None:
+        result.reference = _place(run, result, reference, gpus)
+    result.seconds = time.perf_counter() - tic
+    return result
+
+
+def _valid(run: Resolved, layout: Layout, gpus: int) -> bool:
+    try:
+        check_layout(run.with_checkpointing(layout.checkpointing).cfg, layout, gpus=gpus)
+    except PlanError:
+        return False
+    return True
+
+
+def _place(run: Resolved, result: SearchResult, layout: Layout, gpus: int) -> dict:
+    """Where ``layout`` ranks in ``result`` and why the top layout is faster or slower by the estimate."""
+    out: dict = {"layout": layout.describe()}
+    try:
+        check_layout(run.with_checkpointing(layout.checkpointing).cfg, layout, gpus=gpus)
+    except PlanError as e:
+        return {**out, "rank": None, "fits": False, "reason": str(e)}
+    est = run.estimate(layout)
+    step = est["time"]["step_s"]
+    rank = result.rank_of(layout)
+    if rank is None and est["fits"]:  # valid and fitting but outside the enumerated options
+        rank = 1 + sum(1 for s, _ in result.ranked if s < step)
+    out.update(rank=rank, of=result.fitting, fits=est["fits"], step_s=step,
+               tokens_per_s_per_device=est["tokens_per_s_per_device"], device_bytes=est["memory"]["device_bytes"])
+    if result.plans:
+        best = result.plans[0]
+        out["top"] = best.layout.describe()
+        out["top_step_s"] = best.time["step_s"]
+        out["why"] = compare(best.run, est)
+    return out
+
+
+def format_reference(ref: dict, capacity: int) -> list[str]:
+    """The reference layout's place in a search, as lines (see :func:`search`)."""
+    if ref.get("reason"):
+        return [f"reference {ref['layout']}: cannot run: {ref['reason']}"]
+    mem = f"{format_bytes(ref['device_bytes'])} on the device of {format_bytes(capacity)}"
+    if not ref["fits"]:
+        head = f"reference {ref['layout']}: does not fit ({mem}); step {ref['step_s']:.4g} s"
+    else:
+        head = (f"reference {ref['layout']}: rank {ref['rank']} of {ref['of']} that fit, step {ref['step_s']:.4g} s, "
+                f"{ref['tokens_per_s_per_device']:,.0f} tokens/s per device, {mem}")
+    lines = [head]
+    if "top" in ref:
+        faster = "faster" if ref["top_step_s"] <= ref["step_s"] else "slower"
+        lines.append(f"  the top layout is {abs(ref['step_s'] - ref['top_step_s']):.3g} s per step {faster}: "
+                     f"{ref['why'] or 'the same terms'} (top minus reference, seconds per step)")
+    return lines

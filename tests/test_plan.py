@@ -13,7 +13,7 @@ from torch.distributed.tensor import Replicate
 from shardfn import plan as pl
 from shardfn.config import load_config
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.plan import Layout, PlanError, inventory
+from shardfn.plan import Layout, PlanError
 
 plan_search = importlib.import_module("shardfn.plan.search")  # the module (shardfn.plan.search is the function)
 
@@ -213,14 +213,20 @@ def test_plan_json_keys(clean_process_group):
     cfg = load_config("llama_tiny", ["mesh.tp=2", "train.batch_size=4", "train.seq_len=16"])
     out = pl.make_plan(cfg, hardware="cpu").to_dict()
     assert json.loads(json.dumps(out)) == out
-    assert {"model", "layout", "batch", "params", "per_rank", "ranks", "comm", "comm_by_axis", "time",
-            "memory_capacity_bytes", "fits", "headroom_bytes", "trace", "notes"} <= set(out)
+    assert {"model", "layout", "batch", "params", "step_s", "tokens_per_s", "tokens_per_s_per_device", "mfu",
+            "peak_bytes", "device_bytes", "memory_capacity_bytes", "fits", "headroom_bytes", "time", "memory",
+            "per_rank", "ranks", "comm", "comm_by_axis", "traced_time", "trace", "notes", "run"} <= set(out)
     assert {"params_bytes", "grads_bytes", "opt_state_bytes", "activation_bytes_per_microbatch",
             "activation_bytes_per_microbatch_checkpointed", "inflight_microbatches", "activation_bytes",
             "transient_bytes", "peak_bytes"} <= set(out["per_rank"])
     assert {"compute_s", "step_s", "mfu", "bubble", "tokens_per_s"} <= set(out["time"])
+    assert {"step_s", "mfu", "tokens_per_s"} <= set(out["traced_time"])
     assert all({"op", "axis", "bytes", "count", "source"} == set(r) for r in out["comm"])
     assert out["fits"] and 0 < out["time"]["mfu"] < 1
+    # one answer: the top level, time and memory are the run model's
+    assert out["step_s"] == out["time"]["step_s"] == out["run"]["time"]["step_s"]
+    assert out["peak_bytes"] == out["memory"]["reserved_bytes"] == out["run"]["memory"]["reserved_bytes"]
+    assert out["fits"] == (out["device_bytes"] <= out["memory_capacity_bytes"])
 
 
 def test_pipeline_plan_counts_p2p_and_inflight(clean_process_group):
@@ -243,6 +249,62 @@ def test_search_ranks_fitting_layouts_and_refuses_with_keys(clean_process_group)
     assert all(p.layout.world_size == 2 and p.fits for p in found.plans)
     assert found.refused_by_key() == {"mesh.pp": 1}      # pp=2 stages for 1 layer
     assert "mesh.pp" in pl.format_search(found)
+
+
+def test_search_answer_is_what_plan_prints_and_does_not_depend_on_the_clock(monkeypatch):
+    cfg = load_config("llama_tiny", ["model.n_layers=4", "train.batch_size=16", "train.seq_len=64"])
+    kw = dict(hardware="h100", schedules=("1f1b", "zbh1"), top=4)
+    first = pl.search(cfg, 8, **kw)
+    clock = iter(range(0, 10**9, 1000))           # a machine where every second lasts a thousand
+    monkeypatch.setattr(plan_search.time, "perf_counter", lambda: float(next(clock)))
+    again = pl.search(cfg, 8, **kw)
+    describe = lambda found: [(p.layout.describe(), p.time["step_s"]) for p in found.plans]  # noqa: E731
+    assert describe(first) == describe(again) and len(first.plans) == 4
+    for p in first.plans:   # the number a search ranks by is the one `shardfn plan` prints for the layout
+        alone = pl.make_plan(cfg, p.layout, hardware="h100", trace=False)
+        assert alone.time["step_s"] == p.time["step_s"] and alone.peak_bytes == p.peak_bytes and alone.fits
+    # every layout left unsimulated has a bound no faster than the last plan
+    assert first.fitting >= len(first.ranked) >= 4 and first.lowered == 0
+
+
+def test_search_places_a_reference_layout_and_says_why():
+    cfg = load_config("llama_tiny", ["model.n_layers=4", "train.batch_size=16", "train.seq_len=64"])
+    ref = Layout.parse("pp=4 dp=2 mb=4 1f1b")
+    found = pl.search(cfg, 8, hardware="h100", schedules=("1f1b",), top=2, reference=ref)
+    place = found.reference
+    assert place["layout"] == ref.describe() and place["fits"]
+    assert place["rank"] == 1 + sum(1 for s, _ in found.ranked if s < place["step_s"])
+    assert place["why"] and "reference pp=4" in pl.format_search(found)
+    terms = plan_search.step_terms(found.plans[0].run)
+    assert sum(terms.values()) == pytest.approx(found.plans[0].time["step_s"])
+
+
+def test_search_lowers_only_the_layouts_it_is_asked_to(clean_process_group):
+    cfg = load_config("llama_tiny", ["model.n_layers=1", "train.batch_size=8", "train.seq_len=16"])
+    found = pl.search(cfg, 2, hardware="cpu", schedules=("1f1b",), checkpointing=(False,), top=3, trace=1)
+    assert found.lowered == 1 and found.plans[0].trace["mode"] == "full" and found.plans[0].comm
+    assert [p.trace["mode"] for p in found.plans[1:]] == ["none", "none"]
+
+
+@pytest.mark.parametrize("text", ["pp=8 dp=1 fsdp=2 ep=32 tp=1 mb=8 interleaved_1f1bx2 ckpt",
+                                  "pp=1 dp=1 fsdp=8 ep=1 tp=1 mb=1 1f1b", "pp=16 dp=2 ep=64 mb=120 dualpipev ckpt"])
+def test_layout_parses_what_it_prints(text):
+    layout = Layout.parse(text)
+    assert Layout.parse(layout.describe()).describe() == layout.describe()
+    with pytest.raises(ValueError, match="not an axis size"):
+        Layout.parse("pp=2 bogus")
+
+
+def test_memory_floor_never_exceeds_the_estimate():
+    run = pl.resolve(load_config("deepseek_v3_671b", ["train.batch_size=512", "train.seq_len=4096",
+                                                          "pipeline.microbatches=4"]), hardware="h100",
+                     dtype=torch.bfloat16)
+    for text in ["pp=8 fsdp=2 ep=32 mb=8 interleaved_1f1b ckpt", "pp=16 ep=32 mb=16 zbh1", "pp=4 ep=64 dp=2 mb=4 1f1b"]:
+        layout = Layout.parse(text)
+        est = run.estimate(layout)
+        bound = run.estimate(layout, bound=True)
+        assert run.floor_bytes(layout) <= est["memory"]["device_bytes"] == bound["memory"]["device_bytes"]
+        assert bound["time"]["step_s"] <= est["time"]["step_s"]
 
 
 # ------------------------------------------------------------------ plan vs a real run on gloo ranks
@@ -277,28 +339,6 @@ def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
         assert 0.5 < sum(r["bytes"] for r in exchanges) / estimate["bytes"] < 1.5
 
 
-def test_search_bound_counts_fsdp_gathers_and_stays_below_the_plan(clean_process_group):
-    import torch
-
-    cfg = load_config("llama_tiny", ["model.n_layers=2", "train.batch_size=8", "train.seq_len=16"])
-    from shardfn import models
-    from shardfn.partition.hardware import load_hardware
-
-    layout = pl.Layout(fsdp=2)
-    hw = load_hardware("cpu")
-    model = models.get(cfg.model_name)
-    leaves = inventory.mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, torch.float32)
-    facts = inventory.model_facts(model, cfg.model, leaves)
-    static = pl.memory_bytes(cfg, layout)
-    _, without = plan_search._lower_bounds(cfg, layout, hw, torch.float32, facts, static)
-    _, bound = plan_search._lower_bounds(cfg, layout, hw, torch.float32, facts, static, leaves)
-    plan = pl.make_plan(cfg, layout, hardware=hw)
-    gathered = sum(r["bytes"] for r in plan.comm if r["op"] == "all_gather" and r["axis"] == "fsdp")
-    weights = sum(leaf.local_bytes() * 2 for leaf in leaves if "fsdp" in leaf.spec.axes())
-    assert gathered >= weights                      # the bound's traffic is in the traced program
-    assert without < bound <= plan.time["step_s"]
-
-
 def test_moe_step_on_a_data_axis_only_all_reduces(clean_process_group):
     # the MoE layer's tokens-per-expert count is a partial sum per rank: one all-reduce of [E]
     # per layer, no all-gather of the routing indices; the rest is the gradients' all-reduce
@@ -319,29 +359,6 @@ def test_moe_on_one_device_plans(clean_process_group):
     # the grouped GEMM outside an expert region (no ep) runs replicated
     plan = pl.make_plan(load_config("moe_tiny", ["train.batch_size=4", "train.seq_len=16"]))
     assert plan.layout.world_size == 1 and plan.per_rank["params_bytes"] > 0 and not plan.comm
-
-
-def test_search_stops_lowering_when_its_budget_is_spent(clean_process_group):
-    cfg = load_config("llama_tiny", ["model.n_layers=1", "train.batch_size=8", "train.seq_len=16"])
-    found = pl.search(cfg, 2, hardware="cpu", schedules=("1f1b",), checkpointing=(False,), top=3, budget_s=1e-9)
-    assert found.plans == [] and found.lowered == 0
-    assert found.over_budget == found.not_planned > 0 and found.over_budget_bound > 0
-    text = pl.format_search(found)
-    assert "none found within the time budget" in text and "--budget 0" in text
-
-
-def test_traced_memory_bound_stays_below_the_plan(clean_process_group):
-    import torch
-
-    cfg = load_config("moe_tiny", ["train.batch_size=8"])
-    layout = pl.Layout(dp=2, ep=2)
-    from shardfn import models
-
-    model = models.get(cfg.model_name)
-    leaves = inventory.mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, torch.float32)
-    bound = plan_search._traced_peak_bound(cfg, layout, torch.float32, pl.memory_bytes(cfg, layout), leaves, {})
-    plan = pl.make_plan(cfg, layout, hardware="cpu")
-    assert 0 < bound <= plan.per_rank["peak_bytes"]
 
 
 def test_shared_propagation_lowers_the_same_program(clean_process_group):
@@ -382,21 +399,47 @@ LLAMA31_8B = dict(D=4096, KV=1024, F=14336, layer=218_112_000)
 
 
 @pytest.mark.parametrize("row", PUBLISHED_RUNS, ids=[r.name for r in PUBLISHED_RUNS])
-def test_published_run_is_planned_within_bounds(row):
+def test_published_run_is_planned_within_15_percent(row):
     est = planned(row)
     ratio = est["tokens_per_s_per_device"] / row.tokens_per_s
-    assert 0.75 <= ratio <= 1.25, (row.name, est["tokens_per_s_per_device"], row.tokens_per_s)
-    if row.memory_gib is not None:
-        mem = est["memory"]["reserved_bytes"] / GIB / row.memory_gib
-        assert 0.8 <= mem <= 1.2, (row.name, est["memory"]["reserved_bytes"] / GIB, row.memory_gib)
+    mem = est["memory"]["reserved_bytes"] / GIB / row.memory_gib if row.memory_gib is not None else 1.0
     assert est["fits"], row.name
+    if row.known_gap and not (0.85 <= ratio <= 1.15):
+        pytest.xfail(f"{row.name}: {ratio:.2f} of the measured tokens/s: {row.known_gap}")
+    assert 0.85 <= ratio <= 1.15, (row.name, est["tokens_per_s_per_device"], row.tokens_per_s)
+    assert 0.85 <= mem <= 1.15, (row.name, est["memory"]["reserved_bytes"] / GIB, row.memory_gib)
 
 
-def test_at_most_two_runs_fit_at_most_two_constants():
+def test_published_rows_are_what_plan_prints(clean_process_group):
+    # the row's estimate is the answer `shardfn plan` leads with for the same run config and layout
+    row = next(r for r in PUBLISHED_RUNS if r.name.startswith("TorchTitan Llama 3.1 8B, 8 H100") and r.compile)
+    cfg = load_config(row.config, [f"mesh.fsdp={row.layout.fsdp}", "train.batch_size=16", "train.seq_len=8192",
+                                   "train.precision=bf16", "train.remat=selective", "train.compile=true"])
+    plan = pl.make_plan(cfg, hardware=row.hardware, trace=False)
+    est = runmodel.run_estimate(cfg, row.layout, hardware=row.hardware,
+                                spec=runmodel.RunSpec(remat="selective", rows=row.rows, compile=True))
+    assert plan.time["step_s"] == est["time"]["step_s"] and plan.peak_bytes == est["memory"]["reserved_bytes"]
+
+
+def test_three_runs_fit_three_constants():
     fitted = [r for r in PUBLISHED_RUNS if r.fitted]
-    assert len(fitted) == 2 and len(PUBLISHED_RUNS) - len(fitted) >= 5
+    assert len(fitted) == 3 and len(PUBLISHED_RUNS) - len(fitted) >= 5
     assert efficiency("h100_96gb").clock == 0.63 and runmodel.EXPERT_LOAD_IMBALANCE == 1.28
+    assert runmodel.EAGER_ELEMENTWISE_FACTOR == 3.3
     assert all(efficiency(n).clock == 1.0 for n in ("a100", "h100", "h200"))
+
+
+def test_eager_takes_longer_and_holds_more_than_compiled():
+    cfg = load_config("llama3_1_8b", ["train.precision=bf16", "train.remat=selective", "train.batch_size=16",
+                                      "train.seq_len=8192", "mesh.fsdp=8", "train.compile=false"])
+    spec = runmodel.RunSpec.of(cfg)
+    assert not spec.compile and spec.compute_bytes == 2                      # the config's train.compile: false
+    eager = runmodel.run_estimate(cfg, Layout(fsdp=8), hardware="h100_96gb", spec=spec)
+    compiled = runmodel.run_estimate(cfg, Layout(fsdp=8), hardware="h100_96gb", spec=runmodel.RunSpec.of(
+        cfg, compile=True))
+    assert eager["time"]["step_s"] > compiled["time"]["step_s"]
+    assert eager["time"]["matmul_s"] == compiled["time"]["matmul_s"]           # the GEMMs are the same kernels
+    assert eager["memory"]["loss_transient_bytes"] == compiled["memory"]["loss_transient_bytes"] * 14 / 10
 
 
 def test_mixed_precision_state_is_16_bytes_per_parameter():
@@ -476,22 +519,30 @@ def test_new_hardware_profiles():
 
 
 def test_overlap_hides_fsdp_inside_a_node_and_not_across_slow_links():
-    row = PUBLISHED_RUNS[0]
+    row = next(r for r in PUBLISHED_RUNS if r.name.startswith("TorchTitan Llama 3.1 8B, 8 H100") and r.compile)
     inside = planned(row)["time"]
     assert inside["fsdp_s"] > 0 and inside["fsdp_exposed_s"] < 0.01 * inside["step_s"]
-    a100 = planned(PUBLISHED_RUNS[3])["time"]                       # 64 A100 over 200 Gb/s: network-bound
+    # 64 A100 over 200 Gb/s: network-bound
+    a100 = planned(next(r for r in PUBLISHED_RUNS if "Llama 3 8B, 64 A100" in r.name))["time"]
     assert a100["fsdp_s"] > a100["compute_s"] and a100["fsdp_exposed_s"] > 0.2 * a100["step_s"]
 
 
-def test_plan_carries_the_run_estimate(clean_process_group):
+def test_plan_leads_with_the_run_estimate(clean_process_group):
     cfg = load_config("llama_tiny", ["mesh.fsdp=2", "train.batch_size=4", "train.seq_len=16"])
     plan = pl.make_plan(cfg, hardware="h100")
-    expected = runmodel.run_estimate(plan_cfg := pl.estimate.run_config(cfg), Layout.from_config(plan_cfg),
-                                     hardware="h100", spec=runmodel.RunSpec(remat=plan_cfg.train.remat,
-                                                                            compute_bytes=4))
-    assert plan.run["time"]["step_s"] == expected["time"]["step_s"] > 0
-    assert plan.to_dict()["run"]["memory"]["device_bytes"] == expected["memory"]["device_bytes"]
-    assert "GPU run" in pl.format_plan(plan)
+    expected = runmodel.run_estimate(cfg, Layout.from_config(cfg), hardware="h100",
+                                     spec=runmodel.RunSpec(remat=cfg.train.remat, compute_bytes=4, compile=False))
+    assert plan.time["step_s"] == plan.run["time"]["step_s"] == expected["time"]["step_s"] > 0
+    assert plan.device_bytes == plan.to_dict()["device_bytes"] == expected["memory"]["device_bytes"]
+    text = pl.format_plan(plan).splitlines()
+    assert text[5].startswith("estimate (plan.runmodel") and f"step {plan.time['step_s']:.3f} s" in text[6]
+    # the traced no-overlap figure is one labelled line further down
+    assert sum("not the estimate" in line for line in text) == 1
+    # partition.memory_budget is checked against the estimate's device bytes
+    small = pl.make_plan(load_config("llama_tiny", ["mesh.fsdp=2", "train.batch_size=4", "train.seq_len=16",
+                                                    f"partition.memory_budget={int(plan.device_bytes) - 1}"]),
+                         hardware="h100", trace=False)
+    assert not small.fits and small.budgeted and small.capacity_bytes == int(plan.device_bytes) - 1
 
 
 # ----------------------------------------------------------------------------- context and sequence parallelism
