@@ -222,7 +222,9 @@ def test_the_example_plans_at_a_100b_class_size(capsys):
     assert cli.main(["params", "--config", config]) == 0
     assert capsys.readouterr().out.split() == ["total", "99.71B", "(99,706,355,712)", "active", "6.09B",
                                                "(6,089,490,432)"]
-    assert cli.main(["plan", "--config", config, "mesh.fsdp=8", "mesh.ep=8"]) == 0
+    # remat and 8 microbatches: without them the estimate's activations (290 GiB) do not fit an h200
+    assert cli.main(["plan", "--config", config, "mesh.fsdp=8", "mesh.ep=8", "--checkpointing",
+                     "pipeline.microbatches=8"]) == 0
     out = capsys.readouterr().out
     assert "params: 99.71B total, 6.09B active per token" in out and "layers 0-47" in out and ": fits" in out
 
