@@ -504,6 +504,37 @@ def attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
+                             scale: float | None = None) -> torch.Tensor:
+    """Causal attention where each query sees only the last ``window`` keys, itself included:
+    query ``i`` reads key ``j`` iff ``i - window < j <= i`` (Mistral's sliding window, as Hugging
+    Face computes it). With ``window >= S`` it is :func:`attention`, causal.
+
+    Args:
+        q: ``[B, H, S, Dqk]``; k: ``[B, Hkv, S, Dqk]``; v: ``[B, Hkv, S, Dv]`` (``H % Hkv == 0``).
+        window: keys per query (``>= 1``).
+        scale: softmax scale; default ``1 / sqrt(Dqk)``.
+
+    Returns:
+        ``[B, H, S, Dv]``.
+
+    Example:
+        q, kv = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+        out = sliding_window_attention(q, kv, kv, 4)  # each token reads itself and the 3 before it
+    """
+    s = q.shape[2]
+    if window >= s:
+        return attention(q, k, v, causal=True, scale=scale)
+    with scope("shardfn.sliding_window_attention"):
+        i = torch.arange(s, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S query, S key]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)                              # [B, H, S, Dqk]
+            v = v.repeat_interleave(groups, dim=1)                              # [B, H, S, Dv]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def rope_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE tables' rows at each token's position, for tokens that come in any order.
 

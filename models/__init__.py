@@ -35,6 +35,11 @@ from shardfn.models.contract import Model, ModelError, check, config_from_dict
 REGISTRY: dict[str, str] = {
     "llama": "shardfn.models.llama",  # Llama-3 dense transformer
     "moe": "shardfn.models.moe",      # DeepSeek-V3 / Kimi-K2 MoE transformer
+    "qwen3": "shardfn.models.qwen3",          # Qwen3 dense (QK-norm)
+    "qwen2": "shardfn.models.qwen2",          # Qwen2 / Qwen2.5 (q/k/v biases)
+    "mistral": "shardfn.models.mistral",      # Mistral (sliding-window attention)
+    "qwen3_moe": "shardfn.models.qwen3_moe",  # Qwen3-MoE (softmax top-k, no shared experts)
+    "mixtral": "shardfn.models.mixtral",      # Mixtral (softmax top-2, renormalised)
 }
 """Model name (the ``model.name`` of a config) -> a dotted module path or a ``.py`` file."""
 
