@@ -128,7 +128,8 @@ def _resolve(name: str) -> Model:
             tried.append(f"a module path (no module named {e.name!r})")
     else:
         tried.append("a .py file or a dotted module path (it is neither)")
-    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(registry))}, a dotted module path "
+    names = [*REGISTRY, *(n for n in registry if n not in REGISTRY)]   # the built-in families first
+    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(names)}, a dotted module path "
                      f"(mypkg.mymodel) or a .py file; tried {', '.join(tried)}. A library user may also call "
                      f"shardfn.models.register(name, module)")
 

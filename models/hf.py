@@ -825,7 +825,7 @@ def _check_architecture(hf: Mapping, model_name: str, model, source: str) -> Non
         other = [n for n, (arch, _) in supported_architectures().items() if arch in archs]
     else:
         return
-    what = f"model_type {model_type!r} (architectures {list(archs)})"
+    what = f"model_type {model_type!r}" + (f" (architectures {list(archs)})" if archs else "")
     if other:
         raise ValueError(f"{source}: {what} is not a {model_name!r} model (model.name={model_name} loads model_type "
                          f"{', '.join(model.HF_MODEL_TYPES)}); set model.name to match the checkpoint: "
