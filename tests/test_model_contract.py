@@ -213,3 +213,15 @@ def test_no_parallelism_words_in_model_files_and_no_config_fields_read_outside()
             code = [line for line in path.read_text().splitlines() if not line.lstrip().startswith(("#", '"', "'"))]
             hits = [line.strip() for line in code if field_read.search(line.split("#")[0])]
             assert not hits, f"{path.relative_to(ROOT)} reads a model Config field by name: {hits[0]}"
+
+
+def test_the_example_plans_at_a_100b_class_size(capsys):
+    from shardfn import cli
+
+    config = str(ROOT / "examples" / "models" / "qwen_moe_100b.yaml")
+    assert cli.main(["params", "--config", config]) == 0
+    assert capsys.readouterr().out.split() == ["total", "99.71B", "(99,706,355,712)", "active", "6.09B",
+                                               "(6,089,490,432)"]
+    assert cli.main(["plan", "--config", config, "mesh.fsdp=8", "mesh.ep=8"]) == 0
+    out = capsys.readouterr().out
+    assert "params: 99.71B total, 6.09B active per token" in out and "layers 0-47" in out and ": fits" in out
