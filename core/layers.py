@@ -527,12 +527,17 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         return attention(q, k, v, causal=True, scale=scale)
     with scope("shardfn.sliding_window_attention"):
         i = torch.arange(s, device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S query, S key]
+        keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S query, S key]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)                              # [B, H, S, Dqk]
             v = v.repeat_interleave(groups, dim=1)                              # [B, H, S, Dv]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        # A masked softmax in plain ops, which every layout's sharding rules split (torch's rules
+        # for the fused kernel take no mask); it holds [B, H, S, S] scores.
+        scores = (q @ k.transpose(-2, -1)).float() * scale                      # [B, H, S, S]
+        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        return probs.to(q.dtype) @ v                                            # [B, H, S, Dv]
 
 
 def rope_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

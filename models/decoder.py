@@ -1,12 +1,13 @@
-"""The grouped-query decoder that Qwen2, Qwen3, Mistral, Qwen3-MoE and Mixtral share, as pure functions.
+"""The grouped-query decoder that Qwen2, Qwen3, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral share, as pure functions.
 
 Each family is a module of its own (``models.qwen3``, ``models.qwen2``, ``models.mistral``,
-``models.qwen3_moe``, ``models.mixtral``) whose ``Config`` subclasses :class:`Config` here and
+``models.qwen3_moe``, ``models.qwen2_moe``, ``models.mixtral``) whose ``Config`` subclasses :class:`Config` here and
 fixes, as class constants, what makes the family (``QK_NORM``, ``QKV_BIAS``, the HF names of its
 experts); the math and the parameter table are these. Every layer is pre-norm:
 
     h = h + attention(rms_norm(h))      # GQA; + q/k/v biases (Qwen2); + QK-norm (Qwen3); window (Mistral)
-    h = h + mlp(rms_norm(h))            # SwiGLU, or a softmax top-k mixture of experts (Qwen3-MoE, Mixtral)
+    h = h + mlp(rms_norm(h))            # SwiGLU, or a softmax top-k mixture of experts (Qwen3-MoE, Mixtral;
+                                        # Qwen2-MoE adds a shared expert behind a sigmoid gate)
 
 Parameters (``L`` layers, ``D`` dim, ``H``/``Hkv`` heads, ``hd`` head dim, ``F`` ffn dim, ``E``
 experts, ``Fe`` expert ffn dim, ``V`` vocab):
@@ -20,6 +21,8 @@ experts, ``Fe`` expert ffn dim, ``V`` vocab):
     layers.mlp.w1, w3      [L, D, F]       (layers, embed, mlp);  w2 [L, F, D]        dense layers
     layers.router          [L, D, E]       (layers, embed, None)                      MoE layers
     layers.experts.w1, w3  [L, E, D, Fe]   (layers, expert, embed, expert_mlp);  w2 [L, E, Fe, D]
+    layers.shared.w1, w3   [L, D, Fs]      (layers, embed, mlp);  w2 [L, Fs, D]       Qwen2-MoE's shared expert
+    layers.shared_gate     [L, D, 1]       (layers, embed, None)
     norm                   [D]             (norm,)
     out                    [D, V]          (embed, vocab)      absent when tie_embeddings
 
@@ -157,8 +160,12 @@ def _layer_table(cfg: Config, is_moe: bool) -> dict:
         layer["mlp"] = {"w1": normal((D, F_), ("embed", "mlp"), std), "w3": normal((D, F_), ("embed", "mlp"), std),
                         "w2": normal((F_, D), ("mlp", "embed"), std)}
         return layer
-    E, Fe = cfg.n_experts, cfg.expert_ffn_dim
+    E, Fe, Fs = cfg.n_experts, cfg.expert_ffn_dim, getattr(cfg, "shared_expert_ffn_dim", 0)
     layer["router"] = normal((D, E), ("embed", None), std)
+    if Fs:  # Qwen2-MoE: one shared expert, scaled by a sigmoid gate of its own
+        layer["shared"] = {"w1": normal((D, Fs), ("embed", "mlp"), std), "w3": normal((D, Fs), ("embed", "mlp"), std),
+                           "w2": normal((Fs, D), ("mlp", "embed"), std)}
+        layer["shared_gate"] = normal((D, 1), ("embed", None), std)
     layer["experts"] = {"w1": normal((E, D, Fe), ("expert", "embed", "expert_mlp"), std),
                         "w3": normal((E, D, Fe), ("expert", "embed", "expert_mlp"), std),
                         "w2": normal((E, Fe, D), ("expert", "expert_mlp", "embed"), std)}
@@ -241,7 +248,10 @@ def mixture(p: PyTree, x: torch.Tensor, cfg: MoEConfig, experts=None) -> torch.T
     flat = x.reshape(b * s, d)                                                    # [T, D]
     indices, weights = route(p["router"], flat, cfg)
     e = p["experts"]
-    return (experts or moe.routed_experts)(flat, indices, weights, e["w1"], e["w2"], e["w3"]).view(b, s, d)
+    y = (experts or moe.routed_experts)(flat, indices, weights, e["w1"], e["w2"], e["w3"])       # [T, D]
+    if "shared" in p:
+        y = y + torch.sigmoid(L.linear(flat, p["shared_gate"])) * L.swiglu(p["shared"], flat)
+    return y.view(b, s, d)
 
 
 @repeated
@@ -334,8 +344,12 @@ def _experts_hf(stack: str, layers: tuple[int, ...], cfg: MoEConfig) -> list[HFT
             hf_names.linear(f"{stack}.experts.{w}", m + f".experts.{{e}}.{w}.weight", layers, experts=cfg.n_experts)
             for w in ("w1", "w3", "w2")]
     m = "model.layers.{i}.mlp"
-    return [hf_names.linear(f"{stack}.router", m + ".gate.weight", layers)] + hf_names.swiglu(
+    out = [hf_names.linear(f"{stack}.router", m + ".gate.weight", layers)] + hf_names.swiglu(
         f"{stack}.experts", m + ".experts.{e}", layers, cfg.n_experts)
+    if getattr(cfg, "shared_expert_ffn_dim", 0):
+        out += hf_names.swiglu(f"{stack}.shared", m + ".shared_expert", layers)
+        out.append(hf_names.linear(f"{stack}.shared_gate", m + ".shared_expert_gate.weight", layers))
+    return out
 
 
 def hf_tensors(cfg: Config, *, rope_interleave: bool | None = None) -> list[HFTensor]:
@@ -370,6 +384,8 @@ def hf_config_keys(cfg: Config) -> dict[str, str]:
         else:
             keys.update(num_experts="n_experts", moe_intermediate_size="expert_ffn_dim",
                         decoder_sparse_step="decoder_sparse_step", mlp_only_layers="mlp_only_layers")
+        if hasattr(cfg, "shared_expert_ffn_dim"):
+            keys["shared_expert_intermediate_size"] = "shared_expert_ffn_dim"
     return keys
 
 
@@ -395,6 +411,9 @@ def hf_config_check(hf: dict, cfg: Config) -> list[tuple[str, str | None]]:
                       f"(every layer here is full causal attention)", None))
     if hf.get("attention_bias") and not cfg.QKV_BIAS:
         wrong.append(("attention_bias is true, but this family has no attention biases", None))
+    if "qkv_bias" in hf and bool(hf["qkv_bias"]) != cfg.QKV_BIAS:
+        wrong.append((f"qkv_bias is {str(bool(hf['qkv_bias'])).lower()}, but this family "
+                      f"{'always has' if cfg.QKV_BIAS else 'has no'} q/k/v biases", None))
     if hf.get("mlp_bias"):
         wrong.append(("mlp_bias is true, but the feed-forward has no biases", None))
     return wrong
@@ -410,4 +429,6 @@ def hf_config_extra(cfg: Config) -> dict:
         out.update(use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layers)
     if isinstance(cfg, MoEConfig):
         out.update(router_aux_loss_coef=0.0, output_router_logits=False)
+    if hasattr(cfg, "shared_expert_ffn_dim"):
+        out["qkv_bias"] = cfg.QKV_BIAS
     return out

@@ -1,4 +1,6 @@
-"""Hugging Face safetensors checkpoints <-> shardfn parameter trees (``models.llama``, ``models.moe``).
+"""Hugging Face safetensors checkpoints <-> shardfn parameter trees (any model with ``hf_tensors``:
+``models.llama``, ``models.moe``, and the families on ``models.decoder``: ``qwen3``, ``qwen2``,
+``mistral``, ``qwen3_moe``, ``mixtral``).
 
 A directory of HF-format ``*.safetensors`` files (with ``model.safetensors.index.json`` when the
 weights are sharded over several files, and optionally the ``config.json`` beside them) loads
@@ -79,8 +81,14 @@ sizes and RoPE are checked against the model config (:func:`check_hf_config`): `
 the scaling are read from the top-level ``rope_theta`` / ``rope_scaling`` keys or from
 transformers 5's ``rope_parameters`` (:func:`hf_rope`), and the scaling (``llama3`` or ``yarn``)
 is compared key by key with ``model.rope_scaling``. Not modelled, so refused there: other RoPE
-types (``linear``, ``dynamic``, ``longrope``, ...), attention or MLP biases. :func:`save` writes
-a ``config.json`` (:func:`hf_config`) beside the weights, which :func:`load` accepts back.
+types (``linear``, ``dynamic``, ``longrope``, ...), and what the model module's
+``hf_config_check`` names (biases it has not, windows it does not compute). A ``config.json`` of
+another architecture is refused naming the model that loads it (:func:`supported_architectures`);
+so is a tensor that is a parameter of another architecture (``FOREIGN_TENSORS``: a QK-norm
+weight, a q/k/v bias, ...), never with a hint to skip it. A directory without ``config.json``
+is refused unless the caller states it (``load(..., hf_config=)``): the weights do not say a
+window, the RoPE or the norm eps. :func:`save` writes a ``config.json`` (:func:`hf_config`) with
+every key ``from_pretrained`` needs, which :func:`load` accepts back.
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
 from shardfn.models.hf_names import HFTensor
 
 __all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "hf_config",
-           "hf_rope", "hf_fp8_block", "SafetensorsDir", "TensorSlice", "INDEX_FILE"]
+           "hf_rope", "hf_fp8_block", "supported_architectures", "SafetensorsDir", "TensorSlice", "INDEX_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED = ("model.layers.*.self_attn.rotary_emb.inv_freq",)
@@ -365,8 +373,8 @@ FOREIGN_TENSORS: tuple[tuple[str, str], ...] = (
     ("model.layers.*.self_attn.[qk]_norm.weight", "a QK-norm weight (Qwen3, Qwen3-MoE: model.name=qwen3, qwen3_moe)"),
     ("model.layers.*.self_attn.[qkv]_proj.bias", "a q/k/v projection bias (Qwen2: model.name=qwen2)"),
     ("model.layers.*.block_sparse_moe.*", "a Mixtral expert or router (model.name=mixtral)"),
-    ("model.layers.*.mlp.shared_expert.*", "a Qwen2-MoE shared expert (not modelled)"),
-    ("model.layers.*.mlp.shared_expert_gate.*", "a Qwen2-MoE shared-expert gate (not modelled)"),
+    ("model.layers.*.mlp.shared_expert.*", "a Qwen2-MoE shared expert (model.name=qwen2_moe)"),
+    ("model.layers.*.mlp.shared_expert_gate.*", "a Qwen2-MoE shared-expert gate (model.name=qwen2_moe)"),
     ("model.layers.*.self_attn.sinks", "a gpt-oss attention sink (not modelled)"),
     ("model.layers.*.mlp.router.*", "a gpt-oss router (not modelled)"),
     ("model.layers.*.mlp.experts.*", "a routed expert (Qwen3-MoE: model.name=qwen3_moe; DeepSeek-V3: moe)"),

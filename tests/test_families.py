@@ -1,4 +1,4 @@
-"""The Qwen3, Qwen2, Mistral, Qwen3-MoE and Mixtral families through the stack: packaged sizes
+"""The Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral families through the stack: packaged sizes
 against the published parameter counts, training on 2-rank meshes against the one-device curve
 (fp32, rtol 1e-5), the sliding window refused by name under cp, and ``shardfn plan``.
 
@@ -27,6 +27,7 @@ PUBLISHED = {
     "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02),
     "qwen3_235b_a22b": (235e9, 22e9, 0.0),
     "mixtral_8x7b": (46.7e9, 12.9e9, 0.0),
+    "qwen1_5_moe_a2_7b": (14.3e9, 2.7e9, 0.0),
 }
 
 
@@ -39,30 +40,40 @@ def test_packaged_sizes_match_the_published_parameter_counts(name, capsys):
     assert abs(counts["active"] / (active or total) - 1) < max(0.01, rounding), counts
 
 
-TINY = ["qwen3_tiny", "qwen2_tiny", "mistral_tiny", "qwen3_moe_tiny", "mixtral_tiny"]
+TINY = ["qwen3_tiny", "qwen2_tiny", "mistral_tiny", "qwen3_moe_tiny", "mixtral_tiny", "qwen2_moe_tiny"]
 WINDOW = "model.sliding_window=8"   # shorter than the test's 32-token sequences: the window is computed
 LAYOUTS = {
-    "qwen3_tiny": {"tp2": ["mesh.tp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
-    "qwen2_tiny": {"fsdp2": ["mesh.fsdp=2"], "tp2": ["mesh.tp=2"]},
-    "mistral_tiny": {"tp2": ["mesh.tp=2", WINDOW], "fsdp2": ["mesh.fsdp=2", WINDOW],
-                     "pp2": ["mesh.pp=2", "pipeline.microbatches=2", WINDOW]},
-    "qwen3_moe_tiny": {"ep2": ["mesh.ep=2"], "cp2": ["mesh.cp=2"]},
-    "mixtral_tiny": {"ep2": ["mesh.ep=2"], "tp2": ["mesh.tp=2"]},
+    "qwen3_tiny": {"tp2": ["mesh.tp=2"]},
+    "qwen2_tiny": {"fsdp2": ["mesh.fsdp=2"]},
+    "mistral_tiny": {"tp2": ["mesh.tp=2", WINDOW]},
+    "qwen3_moe_tiny": {"ep2": ["mesh.ep=2"]},
+    "mixtral_tiny": {"ep2": ["mesh.ep=2"]},
+    "qwen2_moe_tiny": {"ep2": ["mesh.ep=2"]},
 }
 """What the default suite trains each family on, all in one 2-rank spawn."""
+MORE_LAYOUTS = {
+    "qwen3_tiny": {"pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
+    "qwen2_tiny": {"tp2": ["mesh.tp=2"]},
+    "mistral_tiny": {"fsdp2": ["mesh.fsdp=2", WINDOW], "pp2": ["mesh.pp=2", "pipeline.microbatches=2", WINDOW]},
+    "qwen3_moe_tiny": {"cp2": ["mesh.cp=2"]},
+    "mixtral_tiny": {"tp2": ["mesh.tp=2"]},
+}
+"""The other layouts, with ``-m slow``."""
 
 
 def _config(name, *over):
     return load_config(name, [*BASE, *over])
 
 
-def test_every_family_trains_on_two_ranks_with_the_one_device_curve():
-    configs = {f"{name}:{layout}": _config(name, *over) for name, layouts in LAYOUTS.items()
-               for layout, over in layouts.items()}
+@pytest.mark.parametrize("layouts", [pytest.param(LAYOUTS, id="default"),
+                                     pytest.param(MORE_LAYOUTS, id="more", marks=pytest.mark.slow)])
+def test_every_family_trains_on_two_ranks_with_the_one_device_curve(layouts):
+    configs = {f"{name}:{layout}": _config(name, *over) for name, by_layout in layouts.items()
+               for layout, over in by_layout.items()}
     runs = run_layouts(configs)
     for key, losses in runs.items():
         name, layout = key.split(":")
-        window = [WINDOW] if WINDOW in LAYOUTS[name][layout] else []
+        window = [WINDOW] if WINDOW in layouts[name][layout] else []
         ref = _losses(_config(name, *window))
         assert ref[-1] < ref[0], key
         torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen2, Mistral, Qwen3-MoE and Mixtral against ``transformers`` itself (models/decoder.py, models/hf.py).
+"""Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral against ``transformers`` itself (models/hf.py).
 
 Each case builds a tiny random model from a transformers config object (nothing is downloaded),
 writes it with ``save_pretrained``, loads it with ``hf.load`` and compares logits and loss in
@@ -44,6 +44,13 @@ def _hf_config(kind: str, **over):
                 "mlp_only_layers": list(over.get("mlp_only_layers", [])),
                 "decoder_sparse_step": over.get("decoder_sparse_step", 1)}
         return hf_cfg, ours
+    if kind == "qwen2_moe":
+        return (transformers.Qwen2MoeConfig(**ATTN, intermediate_size=40, moe_intermediate_size=16,
+                                            shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                            rope_theta=1e6, **over),
+                {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 40,
+                 "expert_ffn_dim": 16, "shared_expert_ffn_dim": 24, "n_experts": 4, "top_k": 2, "norm_eps": 1e-6,
+                 "rope_theta": 1e6, "norm_topk_prob": False})
     assert kind == "mixtral"
     return (transformers.MixtralConfig(**ATTN, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                        rope_theta=1e6, **over),
@@ -67,7 +74,7 @@ def _tokens(vocab=64):
 
 CASES = [("qwen3", {}), ("qwen2", {}), ("mistral", {}), ("qwen3_moe", {}),
          ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [1]}),
-         ("qwen3_moe", {"decoder_sparse_step": 2}), ("mixtral", {})]
+         ("qwen3_moe", {"decoder_sparse_step": 2}), ("mixtral", {}), ("qwen2_moe", {})]
 
 
 @pytest.mark.parametrize("kind,over", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
@@ -102,7 +109,7 @@ def test_mistral_window_is_computed():
     full = model.Config.from_dict({**ours, "sliding_window": 0})
     x = _tokens()
     windowed, plain = model.apply(params, x, cfg), model.apply(params, x, full)
-    assert torch.equal(windowed[:, :4], plain[:, :4])             # within the window: the same
+    torch.testing.assert_close(windowed[:, :4], plain[:, :4])     # within the window: the same
     assert (windowed[:, 4:] - plain[:, 4:]).abs().max() > 1e-3
     assert model.context_refusal(cfg)[0] == "sliding_window" and model.context_refusal(full) is None
 
