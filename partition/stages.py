@@ -23,6 +23,7 @@ its stages' layers. Its backward is split into F / I / W programs by ``partition
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -470,6 +471,54 @@ def _marker_cuts(order: list[fx.Node], cuts: list[CutPoint], n_stages: int | Non
         out.append(cut)
     return out
 
+IMBALANCE_TOLERANCE = 0.10
+"""A split whose costliest stage is more than this above the even share is reported (:func:`imbalance`)."""
+
+
+def imbalance(traced: TracedLoss, order: list[fx.Node], cuts: list[CutPoint], chosen: Sequence[CutPoint], *,
+              bytes_weight: float = 1.0) -> str | None:
+    """Why the stages ``chosen`` cannot share the cost within :data:`IMBALANCE_TOLERANCE` of
+    even, when the reason is layer boundaries that are no valid cut: each stage's share and the
+    values that cross such a boundary (a per-layer value kept to the end, such as an auxiliary
+    loss summed after the last layer, keeps a second value alive at every boundary). None when
+    the split is even enough, or when whole layers cannot share the cost more evenly.
+
+    Example:
+        imbalance(traced, order, valid_cuts(order), chosen)   # "pipeline stages hold 25% / 75% of ..."
+    """
+    costs = activation_costs(order, bytes_weight)
+    bounds = [0] + [c.position for c in chosen] + [len(order)]
+    stage = [sum(costs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    total = sum(stage)
+    if len(stage) < 2 or total <= 0 or max(stage) <= (1 + IMBALANCE_TOLERANCE) * total / len(stage):
+        return None
+    tags = _layer_tags(order, traced)
+    first: dict = {}
+    end: dict = {}
+    for i, tag in enumerate(tags):
+        if tag is not None:
+            first.setdefault(tag, i)
+            end[tag] = i
+    sequence = list(first)
+    positions = [c.position for c in cuts]
+    blocked = [(b, first[b]) for a, b in zip(sequence[:-1], sequence[1:])
+               if not any(end[a] < p <= first[b] for p in positions)]
+    if not blocked:  # whole layers cannot share it more evenly: nothing to explain
+        return None
+    index = {n: i for i, n in enumerate(order)}
+    last = [max((index.get(u, len(order) if u.op == "output" else i) for u in n.users), default=i)
+            for i, n in enumerate(order)]
+    layer, k = blocked[len(blocked) // 2]
+    crossing = [order[i] for i in range(k) if last[i] >= k]
+    names = ", ".join(f"{n.name} ({getattr(n.target, '__name__', n.target)}, shape "
+                      f"{list(getattr(node_val(n), 'shape', []))})" for n in crossing[:4])
+    shares = " / ".join(f"{100 * c / total:.0f}%" for c in stage)
+    why = (f"{len(blocked)} of {len(sequence) - 1} layer boundaries are no valid cut (one activation crossing): "
+           f"before layer {layer[0]}.{layer[1]}, {len(crossing)} values cross: {names}. A value each layer makes "
+           f"that the loss reads only at the end (an auxiliary loss summed after the last layer) does this")
+    return f"pipeline stages hold {shares} of the cost, more than {IMBALANCE_TOLERANCE:.0%} off even: {why}"
+
+
 # ----------------------------------------------------------------------------- stages
 
 
@@ -492,6 +541,9 @@ def split_stages(traced: TracedLoss, n_stages: int | None, *,
         if n_stages < 1:
             raise PipelineError(f"n_stages must be >= 1, got {n_stages}")
         chosen = layer_units(traced, order, cuts, bytes_weight=bytes_weight).split(n_stages)
+        reason = imbalance(traced, order, cuts, chosen, bytes_weight=bytes_weight)
+        if reason is not None:
+            warnings.warn(reason, stacklevel=2)
     bounds = [0] + [c.position for c in chosen] + [len(order)]
     acts = set(order)
     segments = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]

@@ -225,3 +225,26 @@ def test_the_example_plans_at_a_100b_class_size(capsys):
     assert cli.main(["plan", "--config", config, "mesh.fsdp=8", "mesh.ep=8"]) == 0
     out = capsys.readouterr().out
     assert "params: 99.71B total, 6.09B active per token" in out and "layers 0-47" in out and ": fits" in out
+
+
+def test_a_pipeline_split_blocked_by_a_per_layer_value_says_which_values_cross():
+    import warnings
+
+    from shardfn.partition.stages import build_pipeline
+
+    moe = models.get("moe")
+    tokens = torch.zeros(2, 16, dtype=torch.long)
+    messages = {}
+    for alpha in (0.0, 0.01):
+        cfg = moe.Config(n_layers=9, aux_loss_alpha=alpha)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            build_pipeline(lambda p, b: moe.loss(p, b, cfg), moe.init(cfg, 0), {"inputs": tokens, "targets": tokens},
+                           n_stages=2)
+        messages[alpha] = [str(w.message) for w in record if str(w.message).startswith("pipeline stages")]
+    assert messages[0.0] == []  # without the balance loss every layer boundary is a cut, and the split is even
+    (message,) = messages[0.01]
+    assert message.startswith("pipeline stages hold 22% / 78% of the cost, more than 10% off even: 7 of 8 layer "
+                              "boundaries are no valid cut (one activation crossing): before layer moe_layers.4, "
+                              "6 values cross: ")
+    assert "(mul.Tensor, shape [])" in message and "an auxiliary loss summed after the last layer" in message
