@@ -207,3 +207,27 @@ def test_save_writes_every_key_transformers_needs(tmp_path, name):
     x = _tokens()
     with torch.no_grad():
         assert (back(x).logits - model.apply(params, x, cfg)).abs().max().item() < 1e-4
+
+
+def test_gpt_oss_attention_sinks_and_clamped_swiglu_match_transformers():
+    """The core pieces gpt-oss needs, against transformers' own functions (the model is not built yet)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as G
+
+    from shardfn.core import layers as L
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 10, 8, generator=g), torch.randn(2, 2, 10, 8, generator=g), \
+        torch.randn(2, 2, 10, 8, generator=g)
+    sinks = torch.randn(4, generator=g)
+    for window in (0, 3):
+        i = torch.arange(10)
+        keep = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - window) if window else True)
+        mask = torch.zeros(10, 10).masked_fill(~keep, float("-inf"))
+        module = type("M", (), {"num_key_value_groups": 2, "sinks": sinks, "training": False})()
+        ref, _ = G.eager_attention_forward(module, q, k, v, mask, scaling=8 ** -0.5)
+        ours = L.sink_attention(q, k, v, sinks, window=window)
+        assert (ours.transpose(1, 2) - ref).abs().max().item() < 1e-6
+    cfg = transformers.GptOssConfig(hidden_size=8, intermediate_size=6, num_local_experts=2)
+    experts = G.GptOssExperts(cfg)
+    gate_up = torch.randn(5, 12, generator=g) * 6
+    assert torch.equal(L.clamped_swiglu(gate_up, limit=cfg.swiglu_limit), experts._apply_gate(gate_up))
