@@ -504,6 +504,92 @@ def attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
+def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, *,
+                             scale: float | None = None) -> torch.Tensor:
+    """Causal attention where each query sees only the last ``window`` keys, itself included:
+    query ``i`` reads key ``j`` iff ``i - window < j <= i`` (Mistral's sliding window, as Hugging
+    Face computes it). With ``window >= S`` it is :func:`attention`, causal.
+
+    Args:
+        q: ``[B, H, S, Dqk]``; k: ``[B, Hkv, S, Dqk]``; v: ``[B, Hkv, S, Dv]`` (``H % Hkv == 0``).
+        window: keys per query (``>= 1``).
+        scale: softmax scale; default ``1 / sqrt(Dqk)``.
+
+    Returns:
+        ``[B, H, S, Dv]``.
+
+    Example:
+        q, kv = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+        out = sliding_window_attention(q, kv, kv, 4)  # each token reads itself and the 3 before it
+    """
+    s = q.shape[2]
+    if window >= s:
+        return attention(q, k, v, causal=True, scale=scale)
+    with scope("shardfn.sliding_window_attention"):
+        i = torch.arange(s, device=q.device)
+        keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [S query, S key]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)                              # [B, H, S, Dqk]
+            v = v.repeat_interleave(groups, dim=1)                              # [B, H, S, Dv]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        # A masked softmax in plain ops, which every layout's sharding rules split (torch's rules
+        # for the fused kernel take no mask); it holds [B, H, S, S] scores.
+        scores = (q @ k.transpose(-2, -1)).float() * scale                      # [B, H, S, S]
+        probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+        return probs.to(q.dtype) @ v                                            # [B, H, S, Dv]
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, *, window: int = 0,
+                   scale: float | None = None) -> torch.Tensor:
+    """Causal attention with a learned sink logit per head (gpt-oss): each query's softmax runs
+    over its keys and one extra logit ``sinks[h]`` whose probability is dropped, so a head may
+    attend to nothing. ``window > 0``: each query reads only the last ``window`` keys, as
+    :func:`sliding_window_attention`. A masked softmax in plain ops, holding ``[B, H, S, S]``.
+
+    Args:
+        q: ``[B, H, S, Dqk]``; k: ``[B, Hkv, S, Dqk]``; v: ``[B, Hkv, S, Dv]`` (``H % Hkv == 0``).
+        sinks: ``[H]`` logits.
+        window: keys per query (0: every key up to the query's own).
+        scale: softmax scale; default ``1 / sqrt(Dqk)``.
+
+    Returns:
+        ``[B, H, S, Dv]``.
+
+    Example:
+        out = sink_attention(torch.randn(2, 4, 16, 8), kv, kv, torch.zeros(4), window=4)   # kv [2, 2, 16, 8]
+    """
+    with scope("shardfn.sink_attention"):
+        s = q.shape[2]
+        i = torch.arange(s, device=q.device)
+        keep = i[None, :] <= i[:, None]                                        # [S query, S key]
+        if window:
+            keep = keep & (i[None, :] > i[:, None] - window)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)                              # [B, H, S, Dqk]
+            v = v.repeat_interleave(groups, dim=1)                              # [B, H, S, Dv]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scores = ((q @ k.transpose(-2, -1)).float() * scale).masked_fill(~keep, float("-inf"))  # [B, H, S, S]
+        sink = sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, s, 1)               # [B, H, S, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return probs.to(q.dtype) @ v                                            # [B, H, S, Dv]
+
+
+def clamped_swiglu(gate_up: torch.Tensor, *, limit: float = 7.0, alpha: float = 1.702) -> torch.Tensor:
+    """gpt-oss's gated activation of interleaved gate/up columns (``[..., 2F] -> [..., F]``):
+    ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``(u + 1) * g * sigmoid(alpha * g)``,
+    with ``gate = gate_up[..., 0::2]`` and ``up = gate_up[..., 1::2]``.
+
+    Example:
+        h = clamped_swiglu(torch.randn(3, 16))   # [3, 8]
+    """
+    gate, up = gate_up[..., 0::2], gate_up[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def rope_at(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The RoPE tables' rows at each token's position, for tokens that come in any order.
 

@@ -35,6 +35,12 @@ from shardfn.models.contract import Model, ModelError, check, config_from_dict
 REGISTRY: dict[str, str] = {
     "llama": "shardfn.models.llama",  # Llama-3 dense transformer
     "moe": "shardfn.models.moe",      # DeepSeek-V3 / Kimi-K2 MoE transformer
+    "qwen3": "shardfn.models.qwen3",          # Qwen3 dense (QK-norm)
+    "qwen2": "shardfn.models.qwen2",          # Qwen2 / Qwen2.5 (q/k/v biases)
+    "mistral": "shardfn.models.mistral",      # Mistral (sliding-window attention)
+    "qwen3_moe": "shardfn.models.qwen3_moe",  # Qwen3-MoE (softmax top-k, no shared experts)
+    "mixtral": "shardfn.models.mixtral",      # Mixtral (softmax top-2, renormalised)
+    "qwen2_moe": "shardfn.models.qwen2_moe",  # Qwen2-MoE (shared expert with a sigmoid gate)
 }
 """Model name (the ``model.name`` of a config) -> a dotted module path or a ``.py`` file."""
 
@@ -123,7 +129,8 @@ def _resolve(name: str) -> Model:
             tried.append(f"a module path (no module named {e.name!r})")
     else:
         tried.append("a .py file or a dotted module path (it is neither)")
-    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(sorted(registry))}, a dotted module path "
+    names = [*REGISTRY, *(n for n in registry if n not in REGISTRY)]   # the built-in families first
+    raise ValueError(f"unknown model {name!r}; valid models: {', '.join(names)}, a dotted module path "
                      f"(mypkg.mymodel) or a .py file; tried {', '.join(tried)}. A library user may also call "
                      f"shardfn.models.register(name, module)")
 

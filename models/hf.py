@@ -1,4 +1,6 @@
-"""Hugging Face safetensors checkpoints <-> shardfn parameter trees (``models.llama``, ``models.moe``).
+"""Hugging Face safetensors checkpoints <-> shardfn parameter trees (any model with ``hf_tensors``:
+``models.llama``, ``models.moe``, and the families on ``models.decoder``: ``qwen3``, ``qwen2``,
+``mistral``, ``qwen3_moe``, ``mixtral``).
 
 A directory of HF-format ``*.safetensors`` files (with ``model.safetensors.index.json`` when the
 weights are sharded over several files, and optionally the ``config.json`` beside them) loads
@@ -79,8 +81,14 @@ sizes and RoPE are checked against the model config (:func:`check_hf_config`): `
 the scaling are read from the top-level ``rope_theta`` / ``rope_scaling`` keys or from
 transformers 5's ``rope_parameters`` (:func:`hf_rope`), and the scaling (``llama3`` or ``yarn``)
 is compared key by key with ``model.rope_scaling``. Not modelled, so refused there: other RoPE
-types (``linear``, ``dynamic``, ``longrope``, ...), attention or MLP biases. :func:`save` writes
-a ``config.json`` (:func:`hf_config`) beside the weights, which :func:`load` accepts back.
+types (``linear``, ``dynamic``, ``longrope``, ...), and what the model module's
+``hf_config_check`` names (biases it has not, windows it does not compute). A ``config.json`` of
+another architecture is refused naming the model that loads it (:func:`supported_architectures`);
+so is a tensor that is a parameter of another architecture (``FOREIGN_TENSORS``: a QK-norm
+weight, a q/k/v bias, ...), never with a hint to skip it. A directory without ``config.json``
+is refused unless the caller states it (``load(..., hf_config=)``): the weights do not say a
+window, the RoPE or the norm eps. :func:`save` writes a ``config.json`` (:func:`hf_config`) with
+every key ``from_pretrained`` needs, which :func:`load` accepts back.
 """
 
 from __future__ import annotations
@@ -98,7 +106,7 @@ from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
 from shardfn.models.hf_names import HFTensor
 
 __all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "hf_config",
-           "hf_rope", "hf_fp8_block", "SafetensorsDir", "TensorSlice", "INDEX_FILE"]
+           "hf_rope", "hf_fp8_block", "supported_architectures", "SafetensorsDir", "TensorSlice", "INDEX_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SKIPPED = ("model.layers.*.self_attn.rotary_emb.inv_freq",)
@@ -331,12 +339,21 @@ class _Reader:
 def _check_keys(entries, tensors: Mapping, model_name: str, cfg, ignore: list, source: str) -> None:
     present = set(tensors)
     needed = [k for e in entries if not e.copy for k in e.keys()]
+    known = set(needed) | {k for e in entries if e.copy for k in e.keys()}
+    foreign = [(k, what) for k in sorted(present - known) for what in [_architecture_of(k, known)]
+               if what is not None and not any(fnmatch.fnmatchcase(k, p) for p in ignore)]
+    if foreign:
+        key, what = foreign[0]
+        more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
+        raise ValueError(f"{source}: tensor {key}{more} is {what}, which model {model_name!r} does not have: the "
+                         f"checkpoint is another architecture. Its config.json names it (put it beside the weights); "
+                         f"the architectures shardfn loads: {_supported_list()}")
     missing = [k for k in needed if k not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(f"{source}: missing tensor {missing[0]}{more}, needed by model {model_name!r} with "
-                         f"model.n_layers={cfg.n_layers}; check the model.* sizes against the checkpoint's config.json")
-    known = set(needed) | {k for e in entries if e.copy for k in e.keys()}
+                         f"model.n_layers={cfg.n_layers}; check the model.* sizes, and model.name, against the "
+                         f"checkpoint's config.json")
     known |= {"lm_head.weight"} if cfg.tie_embeddings else set()
     for scale in sorted(k for k in present - known if k.endswith(SCALE_SUFFIX) and k[:-len(SCALE_SUFFIX)] in known):
         base = scale[:-len(SCALE_SUFFIX)]
@@ -352,9 +369,35 @@ def _check_keys(entries, tensors: Mapping, model_name: str, cfg, ignore: list, s
                          f"no parameter for it{_extra_hint(extra[0], cfg)}")
 
 
+FOREIGN_TENSORS: tuple[tuple[str, str], ...] = (
+    ("model.layers.*.self_attn.[qk]_norm.weight", "a QK-norm weight (Qwen3, Qwen3-MoE: model.name=qwen3, qwen3_moe)"),
+    ("model.layers.*.self_attn.[qkv]_proj.bias", "a q/k/v projection bias (Qwen2: model.name=qwen2)"),
+    ("model.layers.*.block_sparse_moe.*", "a Mixtral expert or router (model.name=mixtral)"),
+    ("model.layers.*.mlp.shared_expert.*", "a Qwen2-MoE shared expert (model.name=qwen2_moe)"),
+    ("model.layers.*.mlp.shared_expert_gate.*", "a Qwen2-MoE shared-expert gate (model.name=qwen2_moe)"),
+    ("model.layers.*.self_attn.sinks", "a gpt-oss attention sink (not modelled)"),
+    ("model.layers.*.mlp.router.*", "a gpt-oss router (not modelled)"),
+    ("model.layers.*.mlp.experts.*", "a routed expert (Qwen3-MoE: model.name=qwen3_moe; DeepSeek-V3: moe)"),
+    ("model.layers.*.mlp.gate.weight", "a mixture-of-experts router (model.name=qwen3_moe or moe)"),
+    ("model.layers.*.mlp.gate.e_score_correction_bias", "DeepSeek-V3's router bias (model.name=moe)"),
+    ("model.layers.*.self_attn.kv_a_proj_with_mqa.weight", "a multi-head latent attention weight (model.name=moe)"),
+    ("*.bias", "a bias"),
+)
+"""HF key patterns that are parameters of some architecture: a checkpoint holding one the model
+has no place for is another architecture, and is never told to skip it."""
+
+
+def _architecture_of(key: str, known: set[str]) -> str | None:
+    """What ``key`` is a parameter of, when that is a kind of tensor the model (whose HF keys are
+    ``known``) has none of; None for anything else (the model's own kind of tensor past its
+    layers, an FP8 scale, a buffer: reported as unknown tensors)."""
+    for pattern, what in FOREIGN_TENSORS:
+        if fnmatch.fnmatchcase(key, pattern):
+            return None if any(fnmatch.fnmatchcase(k, pattern) for k in known) else what
+    return None
+
+
 def _extra_hint(key: str, cfg) -> str:
-    if key.endswith(".bias"):
-        return "; the models have no biases"
     parts = key.split(".")
     taken = cfg.n_layers + getattr(cfg, "mtp_depth", 0)
     if key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() and int(parts[2]) >= taken:
@@ -365,7 +408,8 @@ def _extra_hint(key: str, cfg) -> str:
                 f"it with ignore=['model.layers.{parts[2]}.*'])")
     if key.endswith(SCALE_SUFFIX):
         return f"; it is the FP8 block scale of {key[:-len(SCALE_SUFFIX)]}, which the model has no place for either"
-    return "; skip it with ignore=[pattern] if it is not a parameter"
+    return ("; if it is a buffer or a copy, not a parameter of the checkpoint's architecture (its config.json "
+            "names that architecture), skip it with ignore=[pattern]")
 
 
 def to_hf(params: PyTree, model_name: str, cfg, *, rope_interleave: bool | None = None) -> dict[str, torch.Tensor]:
@@ -517,26 +561,40 @@ def read_dir(directory: str | os.PathLike) -> SafetensorsDir:
 
 def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
          device: torch.device | str = "cpu", rope_interleave: bool | None = None,
-         ignore: Iterable[str] = (), regions: Mapping[str, tuple[slice, ...]] | None = None) -> PyTree:
-    """Our parameter tree from an HF-format directory (``config.json`` checked when present);
+         ignore: Iterable[str] = (), regions: Mapping[str, tuple[slice, ...]] | None = None,
+         hf_config: Mapping | None = None) -> PyTree:
+    """Our parameter tree from an HF-format directory, its ``config.json`` checked against ``cfg``;
     with ``regions``, only those boxes of our leaves, reading only their rows and columns of
     their layers' and experts' tensors (:func:`from_hf`). FP8 block-quantized weights
     (``quantization_config`` ``{"quant_method": "fp8", "weight_block_size": [128, 128]}``)
     are dequantized to ``dtype`` as they are read.
+
+    A directory without ``config.json`` is refused unless the caller states what it would say:
+    ``hf_config=`` (a ``config.json`` as a mapping; :func:`hf_config` writes ours), which is then
+    checked like the file. The weights alone do not tell a sliding window, RoPE or norm eps.
 
     Example:
         params = load("Llama-3-8B/", "llama", load_config("llama3_8b").model)
         llama.apply(params, tokens, cfg)
     """
     tensors = read_dir(directory)
-    hf_config = tensors.config()
-    block = None
-    if hf_config is not None:
-        where = str(Path(directory) / "config.json")
-        check_hf_config(hf_config, model_name, cfg, source=where)
-        if rope_interleave is None and "rope_interleave" in hf_config:
-            rope_interleave = bool(hf_config["rope_interleave"])
-        block = hf_fp8_block(hf_config, source=where)
+    stated, hf_config = hf_config, tensors.config()
+    where = str(Path(directory) / "config.json")
+    if hf_config is None:
+        if stated is None:
+            raise ValueError(
+                f"{where}: no such file. The weights alone do not say what config.json would (a sliding window, "
+                f"RoPE, norm eps, which tensors are biases or norms: Mistral weights have Llama's names), so nothing "
+                f"is assumed: put the checkpoint's config.json beside its weights, or state it, e.g. hf.load(..., "
+                f"hf_config=hf.hf_config({model_name!r}, cfg)) to say it is model.name={model_name} exactly as "
+                f"model.* says")
+        hf_config, where = dict(stated), "hf_config="
+    elif stated is not None:
+        check_hf_config(dict(stated), model_name, cfg, source="hf_config=")
+    check_hf_config(hf_config, model_name, cfg, source=where)
+    if rope_interleave is None and "rope_interleave" in hf_config:
+        rope_interleave = bool(hf_config["rope_interleave"])
+    block = hf_fp8_block(hf_config, source=where)
     return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
                    ignore=ignore, source=str(directory), regions=regions, fp8_block=block)
 
@@ -705,15 +763,14 @@ def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.jso
         check_hf_config({"hidden_size": 4096, "num_hidden_layers": 32}, "llama", cfg)
     """
     model = named_model(model_name)
-    model_type = hf.get("model_type")
-    if model_type is not None and model_type not in model.HF_MODEL_TYPES:
-        raise ValueError(f"{source}: model_type {model_type!r} is not a {model_name!r} model (model.name={model_name} "
-                         f"loads {', '.join(model.HF_MODEL_TYPES)}); set model.name to match the checkpoint")
-    for flag in ("attention_bias", "mlp_bias"):
-        if hf.get(flag):
-            raise ValueError(f"{source}: {flag} is true, but the models have no biases")
+    _check_architecture(hf, model_name, model, source)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r}; the models use SwiGLU with silu")
+    own_check = getattr(model.module, "hf_config_check", None)
+    if own_check is None:
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ValueError(f"{source}: {flag} is true, but model {model_name!r} has no biases")
     theta, scaling = hf_rope(hf, source=source)
     hf = {k: v for k, v in hf.items() if k != "rope_theta"}
     if theta is not None:
@@ -727,11 +784,61 @@ def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.jso
              and not (hf_key in AT_LEAST and value > getattr(cfg, ours))]
     name = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
     wrong += _rope_disagreements(scaling, cfg.rope_scaling, name, source)
+    if own_check is not None:
+        wrong += own_check(hf, cfg)
     if wrong:
         what = "; ".join(w for w, _ in wrong)
         fixes = " ".join(f for _, f in wrong if f is not None)
+        fixed_head = any(w.startswith("head_dim=") and f is None for w, f in wrong)
         raise ValueError(f"{source} disagrees with the model config: {what}; "
-                         + (f"override {fixes}" if fixes else "head_dim is model.dim / model.n_heads here"))
+                         + (f"override {fixes}" if fixes else
+                            "head_dim is model.dim / model.n_heads here" if fixed_head else
+                            "the model does not compute what this checkpoint needs"))
+
+
+def supported_architectures() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """``model.name -> (HF architecture, HF model types)`` for every registered model with
+    Hugging Face names.
+
+    Example:
+        supported_architectures()["qwen3"]   # ('Qwen3ForCausalLM', ('qwen3',))
+    """
+    from shardfn import models
+
+    out = {}
+    for name in sorted({**models._env_registry(), **models.REGISTRY}):
+        try:
+            model = models.get(name)
+        except Exception:  # a registered module that does not import is reported where it is used
+            continue
+        arch = getattr(model.module, "HF_ARCHITECTURE", None)
+        if arch and hasattr(model.module, "hf_tensors"):
+            out[name] = (arch, tuple(model.HF_MODEL_TYPES))
+    return out
+
+
+def _supported_list() -> str:
+    return ", ".join(f"{arch} (model.name={name})" for name, (arch, _) in supported_architectures().items())
+
+
+def _check_architecture(hf: Mapping, model_name: str, model, source: str) -> None:
+    """Refuse a ``config.json`` whose ``model_type`` (else ``architectures``) is not ``model``'s,
+    naming the model that loads it, or saying it is not modelled and listing what is."""
+    model_type, archs = hf.get("model_type"), hf.get("architectures") or []
+    if model_type is not None:
+        if model_type in model.HF_MODEL_TYPES:
+            return
+        other = [n for n, (_, types) in supported_architectures().items() if model_type in types]
+    elif archs and getattr(model.module, "HF_ARCHITECTURE", None) not in archs:
+        other = [n for n, (arch, _) in supported_architectures().items() if arch in archs]
+    else:
+        return
+    what = f"model_type {model_type!r}" + (f" (architectures {list(archs)})" if archs else "")
+    if other:
+        raise ValueError(f"{source}: {what} is not a {model_name!r} model (model.name={model_name} loads model_type "
+                         f"{', '.join(model.HF_MODEL_TYPES)}); set model.name to match the checkpoint: "
+                         f"model.name={other[0]}")
+    raise ValueError(f"{source}: {what} is not modelled; the architectures shardfn loads: {_supported_list()}")
 
 
 def hf_config(model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
@@ -747,7 +854,13 @@ def hf_config(model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
     for hf_key, ours in model.hf_config_keys(cfg).items():
         value = getattr(cfg, ours)
         out[hf_key] = None if hf_key == "q_lora_rank" and value == 0 else value
+    out = {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+    if "num_key_value_heads" not in out and hasattr(cfg, "n_heads"):  # MLA: one key/value per query head
+        out["num_key_value_heads"] = model.layout_units(cfg).get("kv_heads", ("n_heads", cfg.n_heads))[1]
     out["hidden_act"] = "silu"
+    extra = getattr(model.module, "hf_config_extra", None)
+    for key, value in (extra(cfg) if extra is not None else {}).items():
+        out.setdefault(key, value)
     scaling = cfg.rope_scaling
     if scaling is not None:
         out["rope_scaling"] = {"rope_type": scaling.type, "type": scaling.type, **scaling.to_dict()}
@@ -760,6 +873,8 @@ def hf_config(model_name: str, cfg, *, dtype: torch.dtype = torch.float32,
 
 
 def _same(value: Any, mine: Any) -> bool:
+    if isinstance(mine, tuple) and isinstance(value, list):
+        value = tuple(value)
     if isinstance(mine, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
         return abs(float(value) - mine) <= 1e-9 * max(1.0, abs(mine))
     return value == mine

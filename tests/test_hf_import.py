@@ -290,7 +290,7 @@ def _write(directory, sd, shards=1):
 def test_llama_hand_named_checkpoint_matches_an_hf_convention_forward(tmp_path):
     cfg = _cfg("llama")
     sd = llama_hf_tensors(cfg)
-    params = hf.load(_write(tmp_path / "llama", sd, shards=3), "llama", cfg)
+    params = hf.load(_write(tmp_path / "llama", sd, shards=3), "llama", cfg, hf_config=hf.hf_config("llama", cfg))
     tokens = _tokens()
     ours = models.get("llama").apply(params, tokens, cfg)
     torch.testing.assert_close(ours, hf_llama_logits(sd, tokens, cfg), rtol=1e-4, atol=1e-4)
@@ -302,7 +302,7 @@ def test_llama_hand_named_checkpoint_matches_an_hf_convention_forward(tmp_path):
 def test_deepseek_hand_named_checkpoint_matches_an_hf_convention_forward(tmp_path, q_lora_rank):
     cfg = _cfg("moe", q_lora_rank=q_lora_rank)
     sd = deepseek_hf_tensors(cfg)
-    params = hf.load(_write(tmp_path / "ds", sd), "moe", cfg)
+    params = hf.load(_write(tmp_path / "ds", sd), "moe", cfg, hf_config=hf.hf_config("moe", cfg))
     tokens = _tokens()
     ours = models.get("moe").apply(params, tokens, cfg)
     torch.testing.assert_close(ours, hf_deepseek_logits(sd, tokens, cfg), rtol=1e-4, atol=1e-4)
@@ -355,7 +355,7 @@ def test_layout_documents_every_parameter():
 def test_bf16_checkpoint_loads_as_float32(tmp_path):
     cfg = _cfg("llama")
     sd = {k: v.to(torch.bfloat16) for k, v in llama_hf_tensors(cfg).items()}
-    params = hf.load(_write(tmp_path / "bf16", sd), "llama", cfg)
+    params = hf.load(_write(tmp_path / "bf16", sd), "llama", cfg, hf_config=hf.hf_config("llama", cfg))
     assert params["embed"].dtype == torch.float32
     torch.testing.assert_close(params["embed"], sd["model.embed_tokens.weight"].float())
 

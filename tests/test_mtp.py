@@ -151,7 +151,7 @@ def test_fp8_checkpoint_with_an_mtp_layer(tmp_path):
     assert stored["model.layers.3.eh_proj.weight"].dtype == torch.float8_e4m3fn
     assert "model.layers.3.mlp.experts.0.gate_proj.weight_scale_inv" in stored
     _write(tmp_path / "fp8", stored, shards=2)
-    loaded = hf.load(tmp_path / "fp8", "moe", cfg)
+    loaded = hf.load(tmp_path / "fp8", "moe", cfg, hf_config=hf.hf_config("moe", cfg))  # no config.json: stated
     for (p1, a), (p2, b) in zip(flatten_with_paths(loaded), flatten_with_paths(hf.from_hf(plain, "moe", cfg))):
         assert p1 == p2 and torch.equal(a, b), p1
 
