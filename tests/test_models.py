@@ -545,6 +545,8 @@ def test_bad_configs_name_the_key(module, overrides, message):
 
 
 def test_registry():
-    assert models.get("llama") is llama and models.get("moe") is moe
+    import shardfn.models.llama as llama_module
+    assert models.get("llama").module is llama_module and models.get("moe").module is moe.module
+    assert models.get(llama_module).module is llama_module and models.get(moe) is moe
     with pytest.raises(ValueError, match="unknown model 'gpt'; valid models: llama, moe"):
         models.get("gpt")
