@@ -101,7 +101,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  assumed="200 Gb/s HDR per GPU between nodes"),
     PublishedRun("TorchTitan DeepSeek-V3 671B, 512 H100, FSDP 64 / EP 32 / PP 8", "deepseek_v3_671b", [],
                  Layout(pp=8, fsdp=2, ep=32, microbatches=8, schedule="interleaved_1f1b"), 1, 4096, "full", "h100",
-                 346, 0.0983, None, "TorchTitan's DeepSeek-V3 results (standard all-to-all; as quoted in issue 23)",
+                 346, 0.0983, None, "TorchTitan's DeepSeek-V3 671B results on 512 H100 (standard all-to-all)",
                  fitted="expert load imbalance (1.28)",
                  assumed="8 microbatches of one sequence per data rank, full AC, datasheet H100; shardfn's layout "
                          "shards dense weights over fsdp=2 where TorchTitan's FSDP spans 64 ranks"),
