@@ -45,18 +45,43 @@ class P(tuple):
         return [a for e in self for a in entry_axes(e)]
 
 
+AUTO_OPTIONS = ("time_limit_s", "mip_gap", "hardware", "cost_model", "strict")
+
+
 class _Auto:
-    """Marker: let the auto-sharder choose this input's spec."""
+    """Marker: let the auto-sharder choose this input's spec. Called, it carries the solver's
+    options (``time_limit_s``, ``mip_gap``, ``hardware``, ``cost_model``, ``strict``; see
+    ``partition.auto.solve``); plain ``AUTO`` uses their defaults.
+
+        step = sf.jit(train_step, mesh, in_specs=sf.AUTO(time_limit_s=60, hardware="h200"))
+        step = sf.jit(train_step, mesh, in_specs=(sf.AUTO(mip_gap=0.01, strict=True), P("dp")))
+    """
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(AUTO_OPTIONS))
+        if unknown:
+            raise TypeError(f"sf.AUTO: unknown option(s) {unknown}; valid options are {list(AUTO_OPTIONS)}")
+        self.options = options
+
+    def __call__(self, **options) -> "_Auto":
+        return _Auto(**{**self.options, **options})
 
     def __repr__(self) -> str:
-        return "AUTO"
+        if not self.options:
+            return "AUTO"
+        return "AUTO(" + ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + ")"
 
 
 AUTO = _Auto()
 
 
+def is_auto(x: Any) -> bool:
+    """True for ``AUTO`` and for ``AUTO(...)`` with options."""
+    return isinstance(x, _Auto)
+
+
 def is_spec(x: Any) -> bool:
-    return isinstance(x, P) or x is None or x is AUTO
+    return isinstance(x, P) or x is None or is_auto(x)
 
 
 def to_placements(
