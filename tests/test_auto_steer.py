@@ -182,7 +182,7 @@ def read_mps(path):
                 rows[f[1]], kinds[f[1]] = len(rows), f[0]
         elif section == "COLUMNS":
             if f[1] == "'MARKER'":
-                in_int = f[2] == "'INTORG'" or f[2] == "INTORG"
+                in_int = f[2].strip("'") == "INTORG"
                 continue
             j = cols.setdefault(f[0], len(cols))
             if in_int:

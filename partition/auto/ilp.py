@@ -22,6 +22,7 @@ _LAGRANGE_STEPS = 10   # memory-price multipliers tried when branch and bound do
 _MEMORY_ROUNDS = 8     # at most this many memory cuts are added after the first solve
 _GAP = 1e-3            # HiGHS stops when the plan is within 0.1% of the best possible
 _DISP = False          # HiGHS' log
+_GAP_TOLERANCE_S = 1e-9  # objective and bound closer than a nanosecond are equal
 
 
 @dataclass
@@ -51,9 +52,9 @@ def relative_gap(objective: float, bound: float) -> float:
     """
     if not (math.isfinite(objective) and math.isfinite(bound)):
         return math.nan
-    if objective == bound:
-        return 0.0
-    return max(0.0, objective - bound) / max(abs(objective), 1e-12)
+    if objective - bound <= _GAP_TOLERANCE_S:
+        return 0.0  # equal up to the solver's tolerances (an objective of zero included)
+    return (objective - bound) / max(abs(objective), _GAP_TOLERANCE_S)
 
 
 def input_bounds(self: Problem, fixed: list) -> np.ndarray:

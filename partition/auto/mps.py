@@ -41,7 +41,7 @@ def write_mps(path, c, a_eq, b_eq, a_ub, b_ub, upper, integer, *, name: str = "S
     in_int = False
     for j in range(n):
         if integer[j] != in_int:
-            out.append(f" MARKER 'MARKER' {'INTORG' if integer[j] else 'INTEND'}")
+            out.append(f" MARKER 'MARKER' '{'INTORG' if integer[j] else 'INTEND'}'")
             in_int = bool(integer[j])
         entries = [("COST", c[j])] if c[j] != 0 else []
         lo, hi = a.indptr[j], a.indptr[j + 1]
@@ -50,7 +50,7 @@ def write_mps(path, c, a_eq, b_eq, a_ub, b_ub, upper, integer, *, name: str = "S
             entries = [("COST", 0.0)]  # every column is named once, even without coefficients
         out += [f" {cols[j]} {r} {_num(v)}" for r, v in entries]
     if in_int:
-        out.append(" MARKER 'MARKER' INTEND")
+        out.append(" MARKER 'MARKER' 'INTEND'")
     out.append("RHS")
     out += [f" RHS {r} {_num(v)}" for r, v in zip(rows, rhs) if v != 0]
     out.append("BOUNDS")
