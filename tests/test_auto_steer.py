@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
+from shardfn.core.units import format_bytes
 from shardfn.partition import auto
 from shardfn.partition.auto import result as auto_result
 from shardfn.partition.auto.ilp import Solution
@@ -81,6 +82,10 @@ def test_a_plan_far_from_its_bound_is_flagged(clean_process_group, replicated_pl
     assert f"gap {st['gap']:.1%}" in result.warning and "time_limit_s=3" in result.warning
     assert "raise the time limit (sf.AUTO(time_limit_s=...)" in result.warning
     assert "NOT within mip_gap 5.0%" in result.summary()
+    assert "over the memory budget" not in result.warning
+    # replicated does not fit a budget the solver's plans do: the warning says so
+    tight = auto.solve(traced, mesh22(), memory_budget=result.cost.memory_bytes - 1)
+    assert f"it peaks at {format_bytes(result.cost.memory_bytes)} per rank, over the memory budget" in tight.warning
     # a gap the user accepts is no warning
     assert auto.solve(traced, mesh22(), mip_gap=1.0).proven
     with pytest.raises(auto.UnprovenPlanError, match=r"not proven within mip_gap=5.0%.*strict=False"):

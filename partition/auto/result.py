@@ -98,9 +98,14 @@ class AutoResult:
             return None
         st = self.stats
         gap = "unknown (no lower bound)" if math.isnan(self.gap) else f"{self.gap:.1%}"
+        over = ""
+        if self.memory_budget is not None and self.cost.memory_bytes > self.memory_budget:
+            over = (f"; it peaks at {format_bytes(self.cost.memory_bytes)} per rank, over the memory budget of "
+                    f"{format_bytes(self.memory_budget)}")
         return (f"auto-sharding: the plan is not proven within mip_gap={self.mip_gap:.1%} of the best: its estimated "
                 f"step is {_fmt_s(st['objective_s'])} against a lower bound of {_fmt_s(st['lower_bound_s'])} "
-                f"(gap {gap}, status {self.status}, {st['solve_s']:.1f} s of time_limit_s={self._time_limit_s:g}); "
+                f"(gap {gap}, status {self.status}, {st['solve_s']:.1f} s of time_limit_s={self._time_limit_s:g})"
+                f"{over}; "
                 f"raise the time limit (sf.AUTO(time_limit_s=...), partition.auto_time_limit_s) or accept a larger "
                 f"gap (sf.AUTO(mip_gap=...))")
 
