@@ -187,6 +187,13 @@ class PipelineConfig:
 @dataclass
 class PartitionConfig:
     auto: bool = False  # search placements the specs and rules leave open
+    # the auto-sharder's solve (partition.auto.solve): HiGHS' time limit in seconds; the gap to its
+    # lower bound a plan must be proven within (else a warning, or an error with auto_strict); the
+    # hardware profile that prices it (a bundled name or a YAML path)
+    auto_time_limit_s: float = 10.0
+    auto_mip_gap: float = 0.05
+    auto_hardware: str = "h100"
+    auto_strict: bool = False
     memory_budget: Union[int, None] = None  # bytes per rank (YAML may say "40GiB"); null: no limit
     # fsdp: re-gather parameters for the backward (true) or keep the forward's gathered copies
     # (false: under pp, once per step for all microbatches); null: false under pp, else true
@@ -226,6 +233,18 @@ class PartitionConfig:
                "must be an integer >= 1 (1: no chunking)", self.ep_chunks)
         _check(self.capacity_factor >= 0, "partition.capacity_factor", "must be >= 0 (0: dropless)",
                self.capacity_factor)
+        _check(self.auto_time_limit_s > 0, "partition.auto_time_limit_s", "must be > 0 (seconds)",
+               self.auto_time_limit_s)
+        _check(self.auto_mip_gap >= 0, "partition.auto_mip_gap", "must be >= 0 (0.05: within 5% of the bound)",
+               self.auto_mip_gap)
+        if self.auto:
+            from shardfn.partition.hardware import available_hardware, load_hardware
+
+            try:
+                load_hardware(self.auto_hardware)
+            except ValueError:
+                _check(False, "partition.auto_hardware",
+                       f"must be one of {available_hardware()} or the path of a profile YAML", self.auto_hardware)
         _check(self.memory_budget is None or self.memory_budget > 0, "partition.memory_budget",
                "must be > 0 or null", self.memory_budget)
         _check(self.reshard_after_forward in (None, True, False), "partition.reshard_after_forward",

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import sys
 import time
+import warnings
 from typing import Any, Callable, Mapping, Sequence
 
 import optree
@@ -26,7 +27,7 @@ from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
 from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
-from shardfn.partition.spec import AUTO, broadcast_specs, check_divisible
+from shardfn.partition.spec import broadcast_specs, check_divisible, is_auto, is_spec
 from shardfn.partition.trace import Traced, flatten_args, trace
 
 log = logging.getLogger("shardfn.jit")
@@ -255,9 +256,11 @@ class Jitted:
         if _has_auto(self.in_specs):  # the solver chooses the specs; every other option applies as without it
             from shardfn.partition import auto
 
-            fixed = None if self.in_specs is AUTO else self.in_specs
+            fixed = None if is_auto(self.in_specs) else self.in_specs
+            options = auto_options(self.in_specs)
             result = auto.solve(traced, self.mesh, arg_names=self.arg_names, fixed_specs=fixed,
-                                memory_budget=self.memory_budget)
+                                memory_budget=self.memory_budget, **options)
+            warn_unproven(result)
             in_specs, out_specs = auto.apply(traced, result), list(result.out_specs)
             placements = result._problem._placements
         else:
@@ -285,6 +288,7 @@ class Jitted:
                          sequence_parallel=self.sequence_parallel)
 
         lowered = lower_traced(traced)
+        report.annotate_transitions(traced.graph_module, lowered.graph_module, self.mesh)
         if self.passes.get("after_propagate"):  # they read each node's meta["sf_placements"]
             before = traced.graph_module.code
             traced = run_passes(self.passes, "after_propagate", traced)
@@ -331,7 +335,10 @@ def jit(
     Args:
         fn: the function; it may take gradients (``torch.func``) and update parameters inside.
         mesh: a ``shardfn.Mesh``.
-        in_specs: a pytree of ``P`` that is a prefix of the argument tuple (None: replicated).
+        in_specs: a pytree of ``P`` that is a prefix of the argument tuple (None: replicated);
+            ``sf.AUTO`` (or ``sf.AUTO(time_limit_s=..., mip_gap=..., hardware=..., cost_model=...,
+            strict=...)``, ``partition.auto.solve``'s options) where the auto-sharder chooses. A plan
+            not proven within ``mip_gap`` of the solver's bound warns (``strict=True``: raises).
         out_specs: a pytree of ``P`` that is a prefix of the outputs (None: replicated).
         fsdp_argnums: arguments stored sharded and all-gathered over ``fsdp_axes`` at each use
             (ZeRO-3); typically ``(0,)`` for the parameters of a train step.
@@ -393,6 +400,7 @@ def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None
     with mesh_scope(mesh):
         traced = trace(fn, tuple(args))
     result = auto.solve(traced, mesh, arg_names=arg_names, **solve_kwargs)
+    warn_unproven(result)
     in_specs = auto.apply(traced, result)
     in_pl = [result._problem._placements(s, m.ndim, where="input") for s, m in zip(in_specs, traced.in_meta)]
     out_pl = [result._problem._placements(s, m.ndim, where="output") for s, m in zip(result.out_specs, traced.out_meta)]
@@ -411,9 +419,34 @@ def _global_stand_ins(args) -> Any:
 
 
 def _has_auto(specs: Any) -> bool:
-    from shardfn.partition.spec import is_spec
+    return any(is_auto(s) for s in optree.tree_leaves(specs, is_leaf=is_spec, none_is_leaf=True))
 
-    return any(s is AUTO for s in optree.tree_leaves(specs, is_leaf=is_spec, none_is_leaf=True))
+
+def auto_options(specs: Any) -> dict:
+    """The solver options of the ``sf.AUTO(...)`` leaves of ``specs`` (one set: leaves that name
+    an option must agree on it).
+
+        auto_options((sf.AUTO(time_limit_s=60), P("dp")))   # {"time_limit_s": 60}
+    """
+    options: dict = {}
+    for leaf in optree.tree_leaves(specs, is_leaf=is_spec, none_is_leaf=True):
+        if not is_auto(leaf):
+            continue
+        for key, value in leaf.options.items():
+            if key in options and options[key] is not value and options[key] != value:
+                raise ValueError(f"in_specs: sf.AUTO leaves disagree on {key}: {options[key]!r} and {value!r}; "
+                                 f"give the solver's options once (every AUTO leaf shares one solve)")
+            options[key] = value
+    return options
+
+
+def warn_unproven(result) -> None:
+    """Warn (``UserWarning``, and the ``shardfn.jit`` logger) when the solver's plan is not proven
+    within its ``mip_gap``; ``sf.AUTO(strict=True)`` raises in ``solve`` instead."""
+    if result.proven:
+        return
+    log.warning(result.warning)
+    warnings.warn(result.warning, UserWarning, stacklevel=4)
 
 
 def _signature(args) -> tuple:

@@ -47,6 +47,9 @@ class Hardware:
         inter_node_bandwidth: per-device bandwidth between nodes (one NIC per GPU), bytes/s.
         inter_node_latency: seconds per ring step between nodes.
         gpus_per_node: devices sharing the intra-node fabric (72 for an NVL72 domain).
+        efficiency: the profile's achieved-rate table (:class:`Efficiency`); a bundled profile
+            carries its own, so a renamed or modified copy (``dataclasses.replace(hw, name=...)``)
+            keeps it. None: the table of the bundled profile of the same name, else peak rates.
 
     Example:
         hw = Hardware.from_dict(yaml.safe_load(open("my_gpu.yaml")))
@@ -63,12 +66,17 @@ class Hardware:
     inter_node_bandwidth: float
     inter_node_latency: float
     gpus_per_node: int
+    efficiency: "Efficiency | None" = None
 
     @classmethod
     def from_dict(cls, d: dict, *, where: str = "hardware profile") -> "Hardware":
-        """Build from a mapping; ValueError names a missing or unknown key."""
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - set(fields))
+        """Build from a mapping; ValueError names a missing or unknown key.
+
+        ``efficiency`` is optional: the name of a bundled table (``efficiency: h100`` for a
+        slower-network copy of an H100 profile); without it a bundled name brings its own table.
+        """
+        fields = {f.name: f.type for f in dataclasses.fields(cls) if f.name != "efficiency"}
+        unknown = sorted(set(d) - set(fields) - {"efficiency"})
         missing = sorted(set(fields) - set(d))
         if unknown:
             raise ValueError(f"{where}: unknown key(s) {unknown}; valid keys are {sorted(fields)}")
@@ -87,7 +95,13 @@ class Hardware:
             if value <= 0:
                 raise ValueError(f"{where}: {key} must be positive, got {value!r}")
             values[key] = int(value) if key == "gpus_per_node" else value
-        return cls(**values)
+        table = d.get("efficiency", values["name"])
+        if table is not None and not isinstance(table, Efficiency):
+            if str(table).lower() not in EFFICIENCY and "efficiency" in d:
+                raise ValueError(f"{where}: efficiency must name a bundled rate table, one of {sorted(EFFICIENCY)}; "
+                                 f"got {table!r}")
+            table = EFFICIENCY.get(str(table).lower())
+        return cls(**values, efficiency=table)
 
     def peak_flops(self, dtype: torch.dtype) -> float:
         """Peak FLOP/s for matmuls in ``dtype`` (16-bit types use the BF16 tensor-core rate)."""
@@ -222,9 +236,12 @@ DEFAULT_EFFICIENCY = Efficiency(((1, 1.0),), 1.0, 1.0, 1.0, 1.0, 1.0, "peak rate
 
 
 def efficiency(hw: "Hardware | str") -> Efficiency:
-    """The achieved-rate table of a profile (by name; peak rates where there is none).
+    """The achieved-rate table of a profile: the one it carries, else the bundled table of its
+    name, else peak rates.
 
         efficiency("h100").attention     # 0.33
     """
+    if isinstance(hw, Hardware) and hw.efficiency is not None:
+        return hw.efficiency
     name = hw if isinstance(hw, str) else hw.name
     return EFFICIENCY.get(str(name).lower(), DEFAULT_EFFICIENCY)

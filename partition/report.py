@@ -48,6 +48,51 @@ def collectives(gm: torch.fx.GraphModule, mesh) -> list[dict]:
     return rows
 
 
+def annotate_transitions(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mesh) -> None:
+    """Give each node of the global graph ``meta["sf_transitions"]``: the collectives the per-rank
+    program runs for it, one dict per collective with ``op``, ``axis``, ``bytes``, ``shape`` and
+    ``producer`` (the global node whose value it moves; ``None`` for the node's own output). So
+    a pass after propagate sees what each edge costs, not only the placements at its ends.
+
+        annotate_transitions(traced.graph_module, lowered.graph_module, mesh)
+        [t["op"] for t in node.meta["sf_transitions"]]    # ["all_gather"]
+    """
+    by_name = {n.name: n for n in global_gm.graph.nodes}
+    inputs = dict(zip([n for n in local_gm.graph.nodes if n.op == "placeholder"],
+                      [n.name for n in global_gm.graph.nodes if n.op == "placeholder"]))
+    for n in by_name.values():
+        n.meta["sf_transitions"] = []
+    for c, kind in collective_nodes(local_gm):
+        source = c.meta.get("sf_source")
+        target = by_name.get(source) if source != "output" else next(
+            (n for n in global_gm.graph.nodes if n.op == "output"), None)
+        if target is None:
+            continue
+        target.meta["sf_transitions"].append({
+            "op": kind, "axis": mesh.axis_of_group(c.args[-1]), "bytes": collective_bytes(c, kind),
+            "shape": tuple(c.args[0].meta["val"].shape), "producer": _producer(c, source, inputs),
+        })
+
+
+def _producer(collective: torch.fx.Node, source: str, inputs: dict) -> str | None:
+    """The global node whose value ``collective`` moves: walk its input back through the local
+    nodes emitted for the same global node until one comes from another (or is an input)."""
+    seen = set()
+    node = collective.args[0]
+    while isinstance(node, torch.fx.Node) and node not in seen:
+        seen.add(node)
+        if node.op == "placeholder":
+            return inputs.get(node)
+        origin = node.meta.get("sf_source")
+        if origin is not None and origin != source:
+            return origin
+        args = node.all_input_nodes
+        if not args:
+            return None
+        node = args[0]
+    return None
+
+
 def comm_report(gm: torch.fx.GraphModule, mesh) -> list[dict]:
     """Collectives per step per rank, summed by (op, axis): rows of op, axis, bytes, count; and
     ``tensors``, the tensors those collectives carry, where buckets (``partition.bucket_bytes``)
@@ -167,7 +212,7 @@ def as_text(global_gm: torch.fx.GraphModule, local_gm: torch.fx.GraphModule, mes
         if n.op == "placeholder":
             lines.append(f"{n.name} = input {next(ph, '?')} {shape} : {text}")
         else:
-            args = ", ".join(str(a) for a in n.args)
+            args = ", ".join([str(a) for a in n.args] + [f"{k}={v}" for k, v in n.kwargs.items()])
             lines.append(f"{n.name} = {n.target}({args}) {shape} : {text}")
         for c in emitted.get(n.name, []):
             lines.append(f"    ^ {c}")

@@ -45,18 +45,43 @@ class P(tuple):
         return [a for e in self for a in entry_axes(e)]
 
 
+AUTO_OPTIONS = ("time_limit_s", "mip_gap", "hardware", "cost_model", "strict")
+
+
 class _Auto:
-    """Marker: let the auto-sharder choose this input's spec."""
+    """Marker: let the auto-sharder choose this input's spec. Called, it carries the solver's
+    options (``time_limit_s``, ``mip_gap``, ``hardware``, ``cost_model``, ``strict``; see
+    ``partition.auto.solve``); plain ``AUTO`` uses their defaults.
+
+        step = sf.jit(train_step, mesh, in_specs=sf.AUTO(time_limit_s=60, hardware="h200"))
+        step = sf.jit(train_step, mesh, in_specs=(sf.AUTO(mip_gap=0.01, strict=True), P("dp")))
+    """
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(AUTO_OPTIONS))
+        if unknown:
+            raise TypeError(f"sf.AUTO: unknown option(s) {unknown}; valid options are {list(AUTO_OPTIONS)}")
+        self.options = options
+
+    def __call__(self, **options) -> "_Auto":
+        return _Auto(**{**self.options, **options})
 
     def __repr__(self) -> str:
-        return "AUTO"
+        if not self.options:
+            return "AUTO"
+        return "AUTO(" + ", ".join(f"{k}={v!r}" for k, v in self.options.items()) + ")"
 
 
 AUTO = _Auto()
 
 
+def is_auto(x: Any) -> bool:
+    """True for ``AUTO`` and for ``AUTO(...)`` with options."""
+    return isinstance(x, _Auto)
+
+
 def is_spec(x: Any) -> bool:
-    return isinstance(x, P) or x is None or x is AUTO
+    return isinstance(x, P) or x is None or is_auto(x)
 
 
 def to_placements(
@@ -184,7 +209,9 @@ def specs_like(tree: Any, param_specs: Any) -> Any:
 
     ``param_specs`` is the full spec tree of the parameters (one ``P`` per parameter, as given to
     ``in_specs``); subtrees are matched by structure (the same keys, the same nesting), so a
-    NamedTuple state whose fields mirror the parameters gets their specs field by field.
+    NamedTuple state whose fields mirror the parameters gets their specs field by field. A
+    ``param_specs`` that covers only some of a state subtree's leaves (a partial tree) is refused,
+    naming the missing leaves: the state would otherwise be replicated, unlike its parameters.
 
     Example:
         opt_specs = sf.specs_like(opt.init(params), param_specs)
@@ -200,12 +227,41 @@ def specs_like(tree: Any, param_specs: Any) -> Any:
             raise TypeError(f"specs_like: param_specs has a leaf that is not a P: {_Outline(s)!r}; its "
                             f"structure: {optree.tree_map(_Outline, param_specs, is_leaf=is_spec)!r}")
     wanted = optree.tree_structure(param_specs, is_leaf=is_spec, none_is_leaf=False)
+    _refuse_partial(tree, param_specs)
 
     def like_params(x) -> bool:
         return not isinstance(x, torch.Tensor) and optree.tree_structure(x, none_is_leaf=False) == wanted
 
     return optree.tree_map(lambda sub: param_specs if like_params(sub) else P(), tree, is_leaf=like_params,
                            none_is_leaf=False)
+
+
+def _refuse_partial(tree: Any, param_specs: Any) -> None:
+    """Raise when a subtree of ``tree`` holds every leaf path of ``param_specs`` and more: the spec
+    tree is a part of the parameters' (``{"w": P("fsdp")}`` for ``{"w": ..., "b": ...}``)."""
+    covered = set(optree.tree_paths(param_specs, is_leaf=is_spec, none_is_leaf=False))
+    if not covered or covered == {()}:
+        return
+
+    def visit(x, where: tuple) -> None:
+        if isinstance(x, torch.Tensor):
+            return
+        try:
+            children, _, entries, _ = optree.tree_flatten_one_level(x, none_is_leaf=False)
+        except ValueError:
+            return  # a leaf
+        paths = set(optree.tree_paths(x, none_is_leaf=False))
+        if covered < paths:
+            missing = sorted(".".join(str(k) for k in where + p) for p in paths - covered)
+            raise ValueError(
+                f"specs_like: param_specs covers only part of the state at {'.'.join(map(str, where)) or 'the root'}: "
+                f"no spec for {missing[:8]}{' ...' if len(missing) > 8 else ''}; give the full spec tree of the "
+                f"parameters (P() for a replicated one), or that state would be replicated"
+            )
+        for child, key in zip(children, entries):
+            visit(child, where + (key,))
+
+    visit(tree, ())
 
 
 def specs_from_rules(axes_tree: Any, rules: dict[str, Any], axis_sizes: dict[str, int]) -> Any:

@@ -114,7 +114,10 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
     fsdp = (0,) if mesh.axes.get("fsdp", 1) > 1 else ()
     in_specs = (specs["params"], specs["opt_state"], specs["batch"])
     if cfg.partition.auto:  # the solver chooses params and optimizer state; the batch stays split
-        in_specs = (sf.AUTO, sf.AUTO, specs["batch"])
+        part = cfg.partition
+        solver = sf.AUTO(time_limit_s=part.auto_time_limit_s, mip_gap=part.auto_mip_gap,
+                         hardware=part.auto_hardware, strict=part.auto_strict)
+        in_specs = (solver, solver, specs["batch"])
     jitted = sf.jit(
         train_step, mesh,
         in_specs=in_specs, memory_budget=cfg.partition.memory_budget,

@@ -152,3 +152,20 @@ def test_config_doc_block_is_a_valid_config():
     block = re.search(r"```yaml\n(.*?)```", doc, re.S).group(1)
     cfg = C.config_from_dict(yaml.load(block, Loader=C._Loader))
     assert cfg.train == C.load_config().train  # docs/config.md shows llama_tiny's train section
+
+
+def test_auto_solver_keys(tmp_path):
+    path = _write(tmp_path, MINIMAL)
+    part = C.load_config(path).partition
+    assert (part.auto_time_limit_s, part.auto_mip_gap, part.auto_hardware, part.auto_strict) == (10.0, 0.05, "h100",
+                                                                                                   False)
+    part = C.load_config(path, ["partition.auto=true", "partition.auto_time_limit_s=60", "partition.auto_mip_gap=0.01",
+                                "partition.auto_hardware=h200", "partition.auto_strict=true"]).partition
+    assert (part.auto_time_limit_s, part.auto_mip_gap, part.auto_hardware, part.auto_strict) == (60.0, 0.01, "h200",
+                                                                                                   True)
+    with pytest.raises(ValueError, match=r"partition\.auto_mip_gap must be >= 0 .*, got -0\.1"):
+        C.load_config(path, ["partition.auto_mip_gap=-0.1"])
+    with pytest.raises(ValueError, match=r"partition\.auto_time_limit_s must be > 0"):
+        C.load_config(path, ["partition.auto_time_limit_s=0"])
+    with pytest.raises(ValueError, match=r"partition\.auto_hardware must be one of \['a100'.*got 'h1000'"):
+        C.load_config(path, ["partition.auto=true", "partition.auto_hardware=h1000"])

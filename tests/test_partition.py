@@ -235,6 +235,14 @@ def test_as_text_shows_placements_and_collectives(fake_mesh):
     assert "^ all_reduce[tp]" in text
 
 
+def test_as_text_shows_keyword_arguments(fake_mesh):
+    def fn(x):
+        return x.to(torch.bfloat16).sum()
+
+    text = sf.jit(fn, fake_mesh, in_specs=P("dp")).lower(torch.zeros(4, 4)).as_text()
+    assert "_to_copy = aten._to_copy.default(arg0_1, dtype=torch.bfloat16) [4, 4] : dp:S(0)" in text
+
+
 def test_constrain_inside_a_differentiated_function(fake_mesh):
     """A constraint in the forward constrains the cotangent the same way (JAX semantics)."""
 
@@ -328,6 +336,14 @@ def test_specs_like_gives_moments_the_param_specs_and_scalars_p():
     ps = {"wte": P("tp"), "h": {"w": P(None, "tp"), "b": P()}}
     assert sf.specs_like(state, specs) == (ClipByGlobalNormState(P()), (ScaleByAdamState(P(), ps, ps), EmptyState(),
                                                                          ScaleByLearningRateState(P(), P())))
+
+
+def test_specs_like_refuses_a_partial_spec_tree_naming_the_missing_leaves():
+    _, _, state = _adamw_state()
+    partial = {"wte": P("tp"), "h": {"w": P(None, "tp")}}  # no spec for h.b
+    with pytest.raises(ValueError, match=r"covers only part of the state at 1.0.1: no spec for \['1.0.1.h.b'\]; give "
+                                         r"the full spec tree"):
+        sf.specs_like(state, partial)
 
 
 def test_specs_like_refuses_a_single_spec():

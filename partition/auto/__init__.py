@@ -12,13 +12,18 @@ memory budget (Alpa / meta-pytorch autoparallel formulation, solved with HiGHS t
     result = solve(traced, mesh, memory_budget=40e9, hardware="h100")
     print(result.summary()); print(result.to_rules_yaml(arg_names=("params", "batch")))
     in_specs = apply(traced, result)     # imposes the plan on the graph (node.meta["sf_force"])
+    result.proven, result.gap            # the plan's distance to the solver's lower bound
+    result.candidates(), result.strategies(), result.export_ilp("step.mps"), compare(result, other)
 
 ``sf.jit(..., in_specs=sf.AUTO)`` does trace -> solve -> apply -> lower in one call
 (``partition.api.jit_auto``). See docs/autoshard.md for the formulation.
 """
 
+from shardfn.partition.auto.compare import compare, compare_table
+from shardfn.partition.auto.mps import write_mps
 from shardfn.partition.auto.presets import load_specs_yaml, preset_rules, presets
 from shardfn.partition.auto.problem import Cost, Problem, Reshard
-from shardfn.partition.auto.result import AutoResult, apply, solve
+from shardfn.partition.auto.result import AutoResult, UnprovenPlanError, apply, smallest_budget, solve
 
-__all__ = ["AutoResult", "Cost", "Problem", "Reshard", "apply", "load_specs_yaml", "preset_rules", "presets", "solve"]
+__all__ = ["AutoResult", "Cost", "Problem", "Reshard", "UnprovenPlanError", "apply", "compare", "compare_table",
+           "load_specs_yaml", "preset_rules", "presets", "smallest_budget", "solve", "write_mps"]

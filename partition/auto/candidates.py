@@ -32,10 +32,31 @@ aten = torch.ops.aten
 _TIE_BREAK = 1e-3      # an input's bytes / HBM bandwidth, times this, is added to its cost
 
 
+def make_cost_model(cost_model, mesh_shape: tuple, hardware: Hardware, device_mesh, gloo: bool) -> CostModel:
+    """The cost model that prices the candidates: ``CostModel`` itself (``cost_model=None``), a
+    subclass of it, or any callable ``(mesh_shape, hardware, device_mesh, gathers_for_all_to_all)``
+    that returns an object with ``CostModel``'s methods.
+
+        class SlowLinks(CostModel): ...       # override transition() or compute_time()
+        solve(traced, mesh, cost_model=SlowLinks)
+    """
+    if cost_model is None:
+        cost_model = CostModel
+    if not callable(cost_model):
+        raise TypeError(f"cost_model must be a CostModel subclass or a callable (mesh_shape, hardware, device_mesh, "
+                        f"gathers_for_all_to_all) -> CostModel; got {type(cost_model).__name__} {cost_model!r}")
+    model = cost_model(mesh_shape, hardware, device_mesh, gathers_for_all_to_all=gloo)
+    missing = [m for m in ("compute_time", "transition", "local_bytes") if not callable(getattr(model, m, None))]
+    if missing or not hasattr(model, "rates"):
+        raise TypeError(f"cost_model {cost_model!r} returned {type(model).__name__}, which lacks "
+                        f"{missing or ['rates']}; subclass shardfn.partition.cost.CostModel")
+    return model
+
+
 class Candidates:
     """The traced graph's nodes with their candidate strategies, owners and compute costs."""
 
-    def __init__(self, traced: Traced, mesh, hardware: Hardware):
+    def __init__(self, traced: Traced, mesh, hardware: Hardware, cost_model=None):
         from shardfn.partition import rules
 
         rules.register_all()  # shardfn's own DTensor rules (CPU fused attention)
@@ -48,7 +69,7 @@ class Candidates:
         # a real CPU (gloo) mesh runs DTensor's all-to-alls as all-gathers; a fake one plans for
         # the hardware profile's collectives
         gloo = self.dmesh.device_type == "cpu" and not getattr(mesh, "fake", True)
-        self.model = CostModel(self.mesh_shape, hardware, self.dmesh, gathers_for_all_to_all=gloo)
+        self.model = make_cost_model(cost_model, self.mesh_shape, hardware, self.dmesh, gloo)
         gm = traced.graph_module
         self.nodes = [n for n in gm.graph.nodes if n.op != "output"]
         self.output = next(n for n in gm.graph.nodes if n.op == "output")

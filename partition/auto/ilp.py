@@ -22,6 +22,7 @@ _LAGRANGE_STEPS = 10   # memory-price multipliers tried when branch and bound do
 _MEMORY_ROUNDS = 8     # at most this many memory cuts are added after the first solve
 _GAP = 1e-3            # HiGHS stops when the plan is within 0.1% of the best possible
 _DISP = False          # HiGHS' log
+_GAP_TOLERANCE_S = 1e-9  # objective and bound closer than a nanosecond are equal
 
 
 @dataclass
@@ -33,14 +34,32 @@ class Solution:
     solve_s: float
     message: str
     objective: float = math.nan   # the ILP objective (seconds) of choice
-    bound: float = math.nan       # the LP relaxation's (a lower bound on any plan's)
+    bound: float = math.nan       # a lower bound on any plan's objective (LP relaxation, or HiGHS' dual bound)
     n_cuts: int = 0
+    cuts: tuple = ()              # the steps whose live bytes are constrained by the budget
+
+    @property
+    def gap(self) -> float:
+        """``(objective - bound) / objective``: how far the plan may be from the best one (0: proven
+        optimal; nan: no bound or no objective)."""
+        return relative_gap(self.objective, self.bound)
 
 
-def solve_problem(self: Problem, fixed: list, budget: float | None, time_limit_s: float) -> Solution:
-    from scipy.sparse import csr_matrix
+def relative_gap(objective: float, bound: float) -> float:
+    """HiGHS' relative MIP gap, ``(objective - bound) / |objective|``, never below 0.
 
-    t0 = time.perf_counter()
+        relative_gap(923.0, 59.3)   # 0.936: the plan may be 15x the best one
+    """
+    if not (math.isfinite(objective) and math.isfinite(bound)):
+        return math.nan
+    if objective - bound <= _GAP_TOLERANCE_S:
+        return 0.0  # equal up to the solver's tolerances (an objective of zero included)
+    return (objective - bound) / max(abs(objective), _GAP_TOLERANCE_S)
+
+
+def input_bounds(self: Problem, fixed: list) -> np.ndarray:
+    """Upper bounds of the ILP's variables: 0 for strategies that are forbidden or that contradict
+    ``fixed`` (one spec or None per input), 1 for other strategies, inf for transport variables."""
     n_var = self.n_x + self.n_y
     ub = np.ones(n_var)
     ub[self.n_x:] = np.inf
@@ -58,17 +77,34 @@ def solve_problem(self: Problem, fixed: list, budget: float | None, time_limit_s
                 f"over the mesh {dict(zip(self.names, self.mesh_shape))}; pick a spec whose axes divide each dim"
             )
         ub[self.offset[c]:self.offset[c + 1]][~np.array(allowed)] = 0
+    return ub
+
+
+def memory_rows(self: Problem, cuts) -> "np.ndarray | None":
+    """The budget rows (GiB per x variable, zero over the transport variables) at steps ``cuts``."""
+    from scipy.sparse import csr_matrix
+
+    if not cuts:
+        return None
+    return csr_matrix(np.hstack([np.array([self.memory_row(t) for t in cuts]), np.zeros((len(cuts), self.n_y))]))
+
+
+def solve_problem(self: Problem, fixed: list, budget: float | None, time_limit_s: float) -> Solution:
+    from scipy.sparse import csr_matrix
+
+    t0 = time.perf_counter()
+    n_var = self.n_x + self.n_y
+    ub = input_bounds(self, fixed)
     a_eq = csr_matrix((self.data, (self.rows, self.cols)), shape=(self.n_rows, n_var))
     cuts: list[int] = self.reference_peaks() if budget is not None else []
     last = None
     while True:
-        mem = None
-        if cuts:
-            mem = csr_matrix(np.hstack([np.array([self.memory_row(t) for t in cuts]), np.zeros((len(cuts), self.n_y))]))
+        mem = memory_rows(self, cuts)
         left = time_limit_s - (time.perf_counter() - t0)
         sol = _solve_once(self, a_eq, mem, None if budget is None else budget / _GIB, ub, left)
         sol.solve_s = time.perf_counter() - t0
         sol.n_cuts = len(cuts)
+        sol.cuts = tuple(cuts)
         if sol.choice is None and last is not None and sol.status == "time_limit":
             # out of time re-solving with a new memory cut: the last plan, which may peak
             # above the budget where the cut was (its cost says how much)
@@ -117,6 +153,9 @@ def _solve_once(self: Problem, a_eq, mem, mem_ub, ub, left: float) -> Solution:
                options={"time_limit": max(0.5, share * (deadline - time.perf_counter())), "disp": _DISP,
                         "mip_rel_gap": _GAP})
     found = None if res.x is None else (self._decode(res.x), res.fun)
+    dual = getattr(res, "mip_dual_bound", None)  # branch and bound's bound: at least the LP's
+    if dual is not None and np.isfinite(dual):
+        bound = max(bound, float(dual))
     if res.status == 0 and found is not None:
         return Solution(found[0], "optimal", 0.0, res.message, objective=found[1] / _US, bound=bound / _US)
     if res.status == 2:
@@ -159,3 +198,48 @@ def _lagrange(self: Problem, a_eq, mem, mem_ub, bounds, bound: float, deadline: 
         lam = lam * 8 if hi is None else (lo + hi) / 2
     return best
 
+
+
+def min_memory(self: Problem, fixed: list, time_limit_s: float) -> tuple[int, dict | None, bool]:
+    """The smallest peak bytes per rank of any plan (inputs ``fixed`` as given): ``(peak bytes,
+    its plan, proven)``. Minimises ``M`` subject to the live bytes at each step being at most
+    ``M``, with the steps added where the plan found peaks (as :func:`solve_problem` adds memory
+    cuts). ``proven``: HiGHS finished, so no plan peaks lower; else the peak is one that fits.
+
+        peak, choice, proven = min_memory(prob, [None] * len(prob.placeholders), time_limit_s=10)
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import csr_matrix, hstack
+
+    t0 = time.perf_counter()
+    n_var = self.n_x + self.n_y
+    ub = np.append(input_bounds(self, fixed), np.inf)
+    a_eq = hstack([csr_matrix((self.data, (self.rows, self.cols)), shape=(self.n_rows, n_var)),
+                   csr_matrix((self.n_rows, 1))])
+    c = np.zeros(n_var + 1)
+    c[-1] = 1.0  # M, GiB
+    integrality = np.zeros(n_var + 1)
+    integrality[: self.n_x] = 1
+    cuts = self.reference_peaks()
+    best = None
+    proven = False
+    while True:
+        mem = hstack([memory_rows(self, cuts), csr_matrix(-np.ones((len(cuts), 1)))])
+        left = time_limit_s - (time.perf_counter() - t0)
+        res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(n_var + 1), ub),
+                   constraints=[LinearConstraint(a_eq, self.rhs, self.rhs), LinearConstraint(mem, -np.inf, 0.0)],
+                   options={"time_limit": max(0.5, left), "disp": _DISP, "mip_rel_gap": _GAP})
+        if res.x is None:
+            break
+        choice = self._decode(res.x[:-1])
+        peak, t = self.peak(choice)
+        if best is None or peak < best[0]:
+            best = (peak, choice)
+        # proven: HiGHS finished and the plan's true peak is at a constrained step (so it is M)
+        proven = res.status == 0 and peak <= res.x[-1] * _GIB * (1 + 1e-6)
+        if proven or t in cuts or time.perf_counter() - t0 > time_limit_s:
+            break
+        cuts.append(t)  # the plan peaks at a step not yet constrained: constrain it and solve again
+    if best is None:
+        return 0, None, False
+    return best[0], best[1], proven

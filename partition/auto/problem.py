@@ -64,9 +64,9 @@ class Problem(Candidates):
     and budget.
     """
 
-    def __init__(self, traced: Traced, mesh, hardware: Hardware, *, tie_layers: bool):
+    def __init__(self, traced: Traced, mesh, hardware: Hardware, *, tie_layers: bool, cost_model=None):
         t0 = time.perf_counter()
-        super().__init__(traced, mesh, hardware)
+        super().__init__(traced, mesh, hardware, cost_model)
         self._tables: dict = {}
         self._tie(tie_layers)
         self._build()
