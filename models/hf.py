@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoints <-> shardfn parameter trees (any model with ``hf_tensors``:
-``models.llama``, ``models.moe``, and the families on ``models.decoder``: ``qwen3``, ``qwen2``,
-``mistral``, ``qwen3_moe``, ``mixtral``).
+``models.llama``, ``models.moe``, the families on ``models.decoder``: ``qwen3``, ``qwen2``,
+``mistral``, ``qwen3_moe``, ``mixtral``, ``qwen2_moe``; and ``models.gpt_oss``).
 
 A directory of HF-format ``*.safetensors`` files (with ``model.safetensors.index.json`` when the
 weights are sharded over several files, and optionally the ``config.json`` beside them) loads
@@ -41,6 +41,12 @@ the routed experts' along a second, expert dim):
     mlp.gate.e_score_correction_bias                   moe_layers.router_bias [Lm, E]
     mlp.experts.{e}.{gate,up,down}_proj.weight         moe_layers.experts.w{1,3,2} [Lm, E, ..] .T, by layer, expert
     mlp.shared_experts.{gate,up,down}_proj.weight      moe_layers.shared.w{1,3,2}    .T
+  gpt-oss (models.gpt_oss; every layer MoE, experts fused per layer in HF too, gate/up interleaved):
+    self_attn.{q,k,v,o}_proj.bias                      layers.attn.b{q,k,v,o}        stacked
+    self_attn.sinks                                    layers.attn.sinks [L, H]      stacked
+    mlp.router.weight, mlp.router.bias                 layers.router [L, D, E] (.T), layers.router_bias [L, E]
+    mlp.experts.gate_up_proj [E, D, 2F], _bias         layers.experts.w13, b13       as is, stacked
+    mlp.experts.down_proj [E, F, D], _bias             layers.experts.w2, b2         as is, stacked
   DeepSeek-V3 multi-token prediction (HF layers n_layers .. n_layers+K-1 -> mtp 0 .. K-1, K = mtp_depth):
     enorm.weight, hnorm.weight                         mtp.enorm, mtp.hnorm [K, D]
     eh_proj.weight                                     mtp.eh_proj [K, 2D, D]        .T
@@ -101,7 +107,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from shardfn.core.layers import ROPE_SCALINGS, RopeScaling
+from shardfn.core.layers import ROPE_SCALING_OPTIONS, ROPE_SCALINGS, RopeScaling
 from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
 from shardfn.models.hf_names import HFTensor
 
@@ -375,8 +381,8 @@ FOREIGN_TENSORS: tuple[tuple[str, str], ...] = (
     ("model.layers.*.block_sparse_moe.*", "a Mixtral expert or router (model.name=mixtral)"),
     ("model.layers.*.mlp.shared_expert.*", "a Qwen2-MoE shared expert (model.name=qwen2_moe)"),
     ("model.layers.*.mlp.shared_expert_gate.*", "a Qwen2-MoE shared-expert gate (model.name=qwen2_moe)"),
-    ("model.layers.*.self_attn.sinks", "a gpt-oss attention sink (not modelled)"),
-    ("model.layers.*.mlp.router.*", "a gpt-oss router (not modelled)"),
+    ("model.layers.*.self_attn.sinks", "a gpt-oss attention sink (model.name=gpt_oss)"),
+    ("model.layers.*.mlp.router.*", "a gpt-oss router (model.name=gpt_oss)"),
     ("model.layers.*.mlp.experts.*", "a routed expert (Qwen3-MoE: model.name=qwen3_moe; DeepSeek-V3: moe)"),
     ("model.layers.*.mlp.gate.weight", "a mixture-of-experts router (model.name=qwen3_moe or moe)"),
     ("model.layers.*.mlp.gate.e_score_correction_bias", "DeepSeek-V3's router bias (model.name=moe)"),
@@ -718,16 +724,15 @@ def hf_rope(hf: Mapping, *, source: str = "config.json") -> tuple[float | None, 
         raise ValueError(f"{source}: {name} type {kind!r} is not modelled; the models implement RoPE scaling "
                          f"{', '.join(ROPE_SCALINGS)} (or none: rope_type 'default')")
     if kind == "yarn":
-        if scaling.pop("truncate", True) is not True:
-            raise ValueError(f"{source}: {name}.truncate is false; the models round the YaRN correction range to "
-                             f"whole dims (truncate true), as DeepSeek-V3 does")
+        if scaling.get("truncate", True) is True:   # true, the default: rounded to whole dims (DeepSeek-V3)
+            scaling.pop("truncate", None)
         if "attention_factor" in scaling:
             raise ValueError(f"{source}: {name}.attention_factor={scaling['attention_factor']} is not modelled; "
                              f"the models derive the YaRN attention factor from mscale and mscale_all_dim")
         if "original_max_position_embeddings" not in scaling and "max_position_embeddings" in hf:
             scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]
         scaling = {**HF_YARN_DEFAULTS, **scaling}
-    unknown = sorted(set(scaling) - set(ROPE_SCALINGS[kind]))
+    unknown = sorted(set(scaling) - set(ROPE_SCALINGS[kind]) - set(ROPE_SCALING_OPTIONS[kind]))
     if unknown:
         raise ValueError(f"{source}: {name}.{unknown[0]} is not modelled for a {kind} scaling (its keys: "
                          f"{', '.join(ROPE_SCALINGS[kind])})")
@@ -747,9 +752,11 @@ def _rope_disagreements(theirs: dict | None, ours: RopeScaling | None, name: str
         mine = "null" if ours is None else ours.type
         return [(f"{name} {theirs_cfg.to_dict()} but model.rope_scaling is {mine}",
                  f"model.rope_scaling={_flow(theirs_cfg.to_dict())}")]
-    return [(f"{name}.{k}={getattr(theirs_cfg, k)!r} but model.rope_scaling.{k}={getattr(ours, k)!r}",
-             f"model.rope_scaling.{k}={_yaml(getattr(theirs_cfg, k))}")
-            for k in ROPE_SCALINGS[ours.type] if not _same(getattr(theirs_cfg, k), getattr(ours, k))]
+    value = lambda s, k: (s.truncate is not False) if k == "truncate" else getattr(s, k)  # noqa: E731
+    return [(f"{name}.{k}={value(theirs_cfg, k)!r} but model.rope_scaling.{k}={value(ours, k)!r}",
+             f"model.rope_scaling.{k}={_yaml(value(theirs_cfg, k))}")
+            for k in ROPE_SCALINGS[ours.type] + ROPE_SCALING_OPTIONS[ours.type]
+            if not _same(value(theirs_cfg, k), value(ours, k))]
 
 
 def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.json") -> None:

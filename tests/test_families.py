@@ -28,6 +28,9 @@ PUBLISHED = {
     "qwen3_235b_a22b": (235e9, 22e9, 0.0),
     "mixtral_8x7b": (46.7e9, 12.9e9, 0.0),
     "qwen1_5_moe_a2_7b": (14.3e9, 2.7e9, 0.0),
+    # OpenAI's figures count the embedding lookup as not active (models/gpt_oss.py: param_counts)
+    "gpt_oss_20b": (20.9e9, 3.6e9, 0.0),
+    "gpt_oss_120b": (116.8e9, 5.1e9, 0.0),
 }
 
 
