@@ -78,6 +78,12 @@ produce it (the last ``r`` of each head of ``q_b_proj``/``q_proj``, the last ``r
 rotate-half attention gives the same result. ``rope_interleave=False`` (or that key false in
 ``config.json``) loads them as they are.
 
+MXFP4: gpt-oss's released expert weights are ``K_blocks`` (uint8, two FP4 e2m1 codes a byte)
+and ``K_scales`` (uint8 e8m0, one power of two per 32 values of a row; ``quantization_config``
+``{"quant_method": "mxfp4"}``). Each pair is read as the float32 tensor ``K`` it stands for
+(``models.mxfp4``: dequantized, ``[out, in]`` rows transposed to HF's ``[in, out]``), then cast
+to ``dtype``; a box reads only its experts' blocks and scales. Half a pair is an error naming it.
+
 Errors name the HF key: a tensor the model needs that no file holds, a tensor of the wrong shape
 (with the shape expected from the model config), and a tensor the model has no place for (such
 as DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*`` when ``model.mtp_depth=0``;
@@ -109,6 +115,7 @@ import torch
 
 from shardfn.core.layers import ROPE_SCALING_OPTIONS, ROPE_SCALINGS, RopeScaling
 from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
+from shardfn.models import mxfp4
 from shardfn.models.hf_names import HFTensor
 
 __all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "hf_config",
@@ -222,6 +229,7 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
         llama.apply(params, tokens, cfg)
     """
     entries = layout(model_name, cfg, rope_interleave=rope_interleave)
+    tensors = mxfp4.MXFP4Tensors(tensors) if mxfp4.has_mxfp4(tensors) else tensors
     meta = _meta_params(model_name, cfg)
     shapes = {path: tuple(x.shape) for path, x in flatten_with_paths(meta)}
     _check_keys(entries, tensors, model_name, cfg, [*SKIPPED, *ignore], source)
@@ -357,6 +365,11 @@ def _check_keys(entries, tensors: Mapping, model_name: str, cfg, ignore: list, s
     missing = [k for k in needed if k not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        half = [k + suffix for suffix in (mxfp4.BLOCKS, mxfp4.SCALES) for k in missing[:1] if k + suffix in present]
+        if half:
+            raise ValueError(f"{source}: missing tensor {missing[0]}{more}: the checkpoint has {half[0]} but not the "
+                             f"other half of its MXFP4 pair ({missing[0]}{mxfp4.BLOCKS}, uint8 FP4 codes, and "
+                             f"{missing[0]}{mxfp4.SCALES}, uint8 e8m0 scales)")
         raise ValueError(f"{source}: missing tensor {missing[0]}{more}, needed by model {model_name!r} with "
                          f"model.n_layers={cfg.n_layers}; check the model.* sizes, and model.name, against the "
                          f"checkpoint's config.json")
@@ -600,7 +613,7 @@ def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dty
     check_hf_config(hf_config, model_name, cfg, source=where)
     if rope_interleave is None and "rope_interleave" in hf_config:
         rope_interleave = bool(hf_config["rope_interleave"])
-    block = hf_fp8_block(hf_config, source=where)
+    block = hf_fp8_block(hf_config, source=where)   # None for MXFP4, whose scales are per 32 values of a row
     return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
                    ignore=ignore, source=str(directory), regions=regions, fp8_block=block)
 
@@ -618,12 +631,13 @@ def hf_fp8_block(hf: Mapping, *, source: str = "config.json") -> tuple[int, int]
         hf_fp8_block({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})  # (128, 128)
     """
     q = hf.get("quantization_config")
-    if q is None:
+    if q is None or (isinstance(q, Mapping) and q.get("quant_method") == "mxfp4"):
         return None
     if not isinstance(q, Mapping) or q.get("quant_method") != "fp8":
         method = q.get("quant_method") if isinstance(q, Mapping) else q
         raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not read; the loader dequantizes "
-                         f"block-wise FP8 weights (quant_method 'fp8') only: load a bf16 or fp32 copy instead")
+                         f"block-wise FP8 weights (quant_method 'fp8') and MXFP4 ones (quant_method 'mxfp4', "
+                         f"gpt-oss's experts) only: load a bf16 or fp32 copy instead")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{source}: quantization_config.fmt {q['fmt']!r} is not read; the loader dequantizes "
                          f"float8 e4m3 weights (fmt 'e4m3')")
