@@ -238,12 +238,6 @@ def with_layers(cfg: Config, counts: dict) -> Config:
     return dataclasses.replace(cfg, n_layers=counts["layers"], layer_types=None)
 
 
-def pipeline_refusal(cfg: Config) -> tuple[str, str] | None:
-    """Each layer's attention kind follows its index in the whole model; stages are not told it."""
-    return ("layer_types", "gpt-oss's per-layer attention kinds (sliding or full) are not passed to pipeline "
-                           "stages; train without pp (mesh.pp=1)")
-
-
 def context_refusal(cfg: Config) -> tuple[str, str] | None:
     """Sink and sliding-window attention are not computed on tokens a layout reorders."""
     return ("layer_types", f"has sliding-window layers (model.sliding_window = {cfg.sliding_window}) and every layer "
