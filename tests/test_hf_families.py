@@ -240,3 +240,41 @@ def test_gpt_oss_attention_sinks_and_clamped_swiglu_match_transformers():
     experts = G.GptOssExperts(cfg)
     gate_up = torch.randn(5, 12, generator=g) * 6
     assert torch.equal(L.clamped_swiglu(gate_up, limit=cfg.swiglu_limit), experts._apply_gate(gate_up))
+
+
+def test_gpt_oss_yarn_is_transformers_at_the_published_size():
+    """gpt-oss's YaRN (factor 32, correction range not truncated) at head_dim 64: the frequencies
+    and the cos/sin scale transformers computes for GptOssConfig()."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardfn.config import load_config
+    from shardfn.core import layers as L
+
+    cfg = load_config("gpt_oss_20b").model
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig())
+    ours = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    assert torch.allclose(ours, inv_freq, rtol=1e-6, atol=0)
+    truncated = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, L.RopeScaling(**{**vars(cfg.rope_scaling),
+                                                                                "truncate": None}))
+    assert (truncated - inv_freq).abs().max() > 1e-4                              # truncation would show
+    cos, _ = L.rope_tables(2, cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling)
+    assert abs(cos[0, 0].item() - attention_factor) < 1e-6
+
+
+def test_gpt_oss_config_json_disagreements_are_named(tmp_path):
+    hf_cfg, ours = _hf_config("gpt_oss")
+    _hf_model(hf_cfg).save_pretrained(tmp_path / "m")
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg = models.get("gpt_oss").Config.from_dict(ours)
+    for key, value, message in [
+        ("sliding_window", 8, r"sliding_window=8 but model\.sliding_window=4; override model\.sliding_window=8"),
+        ("layer_types", ["full_attention", "full_attention"], r"layer_types=\['full_attention', 'full_attention'\] "
+                                                              r"but model\.layer_types=\('sliding_attention'"),
+        ("swiglu_limit", 10.0, r"swiglu_limit=10\.0 but model\.swiglu_limit=7\.0"),
+        ("attention_bias", False, r"attention_bias is false, but gpt-oss's q/k/v/o projections have biases"),
+        ("rope_parameters", {**written["rope_parameters"], "truncate": True},
+         r"rope_parameters\.truncate=True but model\.rope_scaling\.truncate=False"),
+    ]:
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**written, key: value}))
+        with pytest.raises(ValueError, match=message):
+            hf.load(tmp_path / "m", "gpt_oss", cfg)
