@@ -62,7 +62,7 @@ MORE_LAYOUTS = {
     "mistral_tiny": {"fsdp2": ["mesh.fsdp=2", WINDOW], "pp2": ["mesh.pp=2", "pipeline.microbatches=2", WINDOW]},
     "qwen3_moe_tiny": {"cp2": ["mesh.cp=2"]},
     "mixtral_tiny": {"tp2": ["mesh.tp=2"]},
-    "gpt_oss_tiny": {"tp2": ["mesh.tp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
+    "gpt_oss_tiny": {"tp2": ["mesh.tp=2"], "fsdp2": ["mesh.fsdp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
 }
 """The other layouts, with ``-m slow``."""
 
