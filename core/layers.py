@@ -186,6 +186,9 @@ ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
 }
 """RoPE scaling type -> the keys it needs (all of them, no defaults)."""
 
+ROPE_SCALING_OPTIONS: dict[str, tuple[str, ...]] = {"llama3": (), "yarn": ("truncate",)}
+"""RoPE scaling type -> the keys it may leave out: ``truncate`` (yarn; true when left out)."""
+
 
 def _scaling_options() -> str:
     return "; ".join(f"{kind} ({', '.join(keys)})" for kind, keys in ROPE_SCALINGS.items())
@@ -204,6 +207,8 @@ class RopeScaling:
     (divided by ``factor``) frequencies; the tables are scaled by
     ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` and DeepSeek's
     attention multiplies its softmax scale by ``yarn_mscale(factor, mscale_all_dim) ** 2``.
+    ``truncate`` (yarn only; None means true): the correction range rounded out to whole dims,
+    as DeepSeek-V3 does; false keeps its fractional ends (gpt-oss).
 
     Example:
         s = RopeScaling.from_dict({"type": "llama3", "factor": 8, "low_freq_factor": 1,
@@ -219,6 +224,7 @@ class RopeScaling:
     beta_slow: float | None = None
     mscale: float | None = None
     mscale_all_dim: float | None = None
+    truncate: bool | None = None
 
     def __post_init__(self):
         problem = _scaling_problem(self)
@@ -231,7 +237,8 @@ class RopeScaling:
         Example:
             RopeScaling.from_dict(s.to_dict()) == s  # True
         """
-        return {"type": self.type, **{k: getattr(self, k) for k in ROPE_SCALINGS[self.type]}}
+        out = {"type": self.type, **{k: getattr(self, k) for k in ROPE_SCALINGS[self.type]}}
+        return out if self.truncate is None else {**out, "truncate": self.truncate}
 
     @classmethod
     def from_dict(cls, d, *, where: str = "rope_scaling") -> "RopeScaling | None":
@@ -265,10 +272,12 @@ class RopeScaling:
         if missing:
             raise ValueError(f"{where} of type {kind} is missing {', '.join(missing)}; it needs "
                              f"{', '.join(need)}")
-        unknown = sorted(k for k in d if k not in need)
+        unknown = sorted(k for k in d if k not in need + ROPE_SCALING_OPTIONS[kind])
         if unknown:
             raise ValueError(f"{where}: {unknown[0]} is not a key of a {kind} scaling; valid keys: type, "
-                             f"{', '.join(need)}")
+                             f"{', '.join(need + ROPE_SCALING_OPTIONS[kind])}")
+        if "truncate" in d and not isinstance(d["truncate"], bool):
+            raise ValueError(f"{where}.truncate must be true or false, got {d['truncate']!r}")
         values = {}
         for k in need:
             v = d[k]
@@ -280,7 +289,7 @@ class RopeScaling:
                 v = int(v)
             values[k] = v if k == "original_max_position_embeddings" else float(v)
         try:
-            return cls(type=kind, **values)
+            return cls(type=kind, **values, **({"truncate": d["truncate"]} if "truncate" in d else {}))
         except ValueError as e:
             raise ValueError(f"{where}{str(e)[len('rope_scaling'):]}") from None
 
@@ -293,6 +302,8 @@ def _scaling_problem(s: RopeScaling) -> str | None:
         if (getattr(s, k) is None) == (k in need):
             return (f".{k} must be given for a {s.type} scaling" if k in need
                     else f".{k} is not a key of a {s.type} scaling; valid keys: type, {', '.join(need)}")
+    if s.truncate is not None and s.type != "yarn":
+        return f".truncate is not a key of a {s.type} scaling; valid keys: type, {', '.join(need)}"
     if not s.factor >= 1:
         return f".factor must be >= 1 (the context extension), got {s.factor}"
     if not s.original_max_position_embeddings >= 1:
@@ -352,8 +363,10 @@ def rope_inv_freq(dim: int, theta: float, scaling: RopeScaling | None = None, *,
         smooth = ((original / wavelen - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: long waves, 1: short waves
         blended = (1 - smooth) * inv / f + smooth * inv
         return torch.where(wavelen < original / hi, inv, torch.where(wavelen > original / lo, inv / f, blended))
-    low = math.floor(_yarn_correction_dim(scaling.beta_fast, dim, theta, scaling.original_max_position_embeddings))
-    high = math.ceil(_yarn_correction_dim(scaling.beta_slow, dim, theta, scaling.original_max_position_embeddings))
+    low = _yarn_correction_dim(scaling.beta_fast, dim, theta, scaling.original_max_position_embeddings)
+    high = _yarn_correction_dim(scaling.beta_slow, dim, theta, scaling.original_max_position_embeddings)
+    if scaling.truncate is not False:
+        low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     span = (high - low) if high != low else 0.001
     ramp = ((torch.arange(dim // 2, device=device, dtype=torch.float32) - low) / span).clamp(0.0, 1.0)

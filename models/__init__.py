@@ -41,6 +41,7 @@ REGISTRY: dict[str, str] = {
     "qwen3_moe": "shardfn.models.qwen3_moe",  # Qwen3-MoE (softmax top-k, no shared experts)
     "mixtral": "shardfn.models.mixtral",      # Mixtral (softmax top-2, renormalised)
     "qwen2_moe": "shardfn.models.qwen2_moe",  # Qwen2-MoE (shared expert with a sigmoid gate)
+    "gpt_oss": "shardfn.models.gpt_oss",      # gpt-oss (attention sinks, alternating windows, clamped SwiGLU)
 }
 """Model name (the ``model.name`` of a config) -> a dotted module path or a ``.py`` file."""
 

@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoints <-> shardfn parameter trees (any model with ``hf_tensors``:
-``models.llama``, ``models.moe``, and the families on ``models.decoder``: ``qwen3``, ``qwen2``,
-``mistral``, ``qwen3_moe``, ``mixtral``).
+``models.llama``, ``models.moe``, the families on ``models.decoder``: ``qwen3``, ``qwen2``,
+``mistral``, ``qwen3_moe``, ``mixtral``, ``qwen2_moe``; and ``models.gpt_oss``).
 
 A directory of HF-format ``*.safetensors`` files (with ``model.safetensors.index.json`` when the
 weights are sharded over several files, and optionally the ``config.json`` beside them) loads
@@ -41,6 +41,12 @@ the routed experts' along a second, expert dim):
     mlp.gate.e_score_correction_bias                   moe_layers.router_bias [Lm, E]
     mlp.experts.{e}.{gate,up,down}_proj.weight         moe_layers.experts.w{1,3,2} [Lm, E, ..] .T, by layer, expert
     mlp.shared_experts.{gate,up,down}_proj.weight      moe_layers.shared.w{1,3,2}    .T
+  gpt-oss (models.gpt_oss; every layer MoE, experts fused per layer in HF too, gate/up interleaved):
+    self_attn.{q,k,v,o}_proj.bias                      layers.attn.b{q,k,v,o}        stacked
+    self_attn.sinks                                    layers.attn.sinks [L, H]      stacked
+    mlp.router.weight, mlp.router.bias                 layers.router [L, D, E] (.T), layers.router_bias [L, E]
+    mlp.experts.gate_up_proj [E, D, 2F], _bias         layers.experts.w13, b13       as is, stacked
+    mlp.experts.down_proj [E, F, D], _bias             layers.experts.w2, b2         as is, stacked
   DeepSeek-V3 multi-token prediction (HF layers n_layers .. n_layers+K-1 -> mtp 0 .. K-1, K = mtp_depth):
     enorm.weight, hnorm.weight                         mtp.enorm, mtp.hnorm [K, D]
     eh_proj.weight                                     mtp.eh_proj [K, 2D, D]        .T
@@ -72,6 +78,12 @@ produce it (the last ``r`` of each head of ``q_b_proj``/``q_proj``, the last ``r
 rotate-half attention gives the same result. ``rope_interleave=False`` (or that key false in
 ``config.json``) loads them as they are.
 
+MXFP4: gpt-oss's released expert weights are ``K_blocks`` (uint8, two FP4 e2m1 codes a byte)
+and ``K_scales`` (uint8 e8m0, one power of two per 32 values of a row; ``quantization_config``
+``{"quant_method": "mxfp4"}``). Each pair is read as the float32 tensor ``K`` it stands for
+(``models.mxfp4``: dequantized, ``[out, in]`` rows transposed to HF's ``[in, out]``), then cast
+to ``dtype``; a box reads only its experts' blocks and scales. Half a pair is an error naming it.
+
 Errors name the HF key: a tensor the model needs that no file holds, a tensor of the wrong shape
 (with the shape expected from the model config), and a tensor the model has no place for (such
 as DeepSeek-V3's multi-token-prediction layer ``model.layers.61.*`` when ``model.mtp_depth=0``;
@@ -101,8 +113,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from shardfn.core.layers import ROPE_SCALINGS, RopeScaling
+from shardfn.core.layers import ROPE_SCALING_OPTIONS, ROPE_SCALINGS, RopeScaling
 from shardfn.core.pytree import PyTree, flatten_with_paths, map_with_path
+from shardfn.models import mxfp4
 from shardfn.models.hf_names import HFTensor
 
 __all__ = ["HFTensor", "layout", "from_hf", "to_hf", "read_dir", "load", "save", "check_hf_config", "hf_config",
@@ -216,6 +229,7 @@ def from_hf(tensors: Mapping[str, torch.Tensor], model_name: str, cfg, *, dtype:
         llama.apply(params, tokens, cfg)
     """
     entries = layout(model_name, cfg, rope_interleave=rope_interleave)
+    tensors = mxfp4.MXFP4Tensors(tensors) if mxfp4.has_mxfp4(tensors) else tensors
     meta = _meta_params(model_name, cfg)
     shapes = {path: tuple(x.shape) for path, x in flatten_with_paths(meta)}
     _check_keys(entries, tensors, model_name, cfg, [*SKIPPED, *ignore], source)
@@ -351,6 +365,11 @@ def _check_keys(entries, tensors: Mapping, model_name: str, cfg, ignore: list, s
     missing = [k for k in needed if k not in present]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        half = [k + suffix for suffix in (mxfp4.BLOCKS, mxfp4.SCALES) for k in missing[:1] if k + suffix in present]
+        if half:
+            raise ValueError(f"{source}: missing tensor {missing[0]}{more}: the checkpoint has {half[0]} but not the "
+                             f"other half of its MXFP4 pair ({missing[0]}{mxfp4.BLOCKS}, uint8 FP4 codes, and "
+                             f"{missing[0]}{mxfp4.SCALES}, uint8 e8m0 scales)")
         raise ValueError(f"{source}: missing tensor {missing[0]}{more}, needed by model {model_name!r} with "
                          f"model.n_layers={cfg.n_layers}; check the model.* sizes, and model.name, against the "
                          f"checkpoint's config.json")
@@ -375,8 +394,8 @@ FOREIGN_TENSORS: tuple[tuple[str, str], ...] = (
     ("model.layers.*.block_sparse_moe.*", "a Mixtral expert or router (model.name=mixtral)"),
     ("model.layers.*.mlp.shared_expert.*", "a Qwen2-MoE shared expert (model.name=qwen2_moe)"),
     ("model.layers.*.mlp.shared_expert_gate.*", "a Qwen2-MoE shared-expert gate (model.name=qwen2_moe)"),
-    ("model.layers.*.self_attn.sinks", "a gpt-oss attention sink (not modelled)"),
-    ("model.layers.*.mlp.router.*", "a gpt-oss router (not modelled)"),
+    ("model.layers.*.self_attn.sinks", "a gpt-oss attention sink (model.name=gpt_oss)"),
+    ("model.layers.*.mlp.router.*", "a gpt-oss router (model.name=gpt_oss)"),
     ("model.layers.*.mlp.experts.*", "a routed expert (Qwen3-MoE: model.name=qwen3_moe; DeepSeek-V3: moe)"),
     ("model.layers.*.mlp.gate.weight", "a mixture-of-experts router (model.name=qwen3_moe or moe)"),
     ("model.layers.*.mlp.gate.e_score_correction_bias", "DeepSeek-V3's router bias (model.name=moe)"),
@@ -594,7 +613,7 @@ def load(directory: str | os.PathLike, model_name: str, cfg, *, dtype: torch.dty
     check_hf_config(hf_config, model_name, cfg, source=where)
     if rope_interleave is None and "rope_interleave" in hf_config:
         rope_interleave = bool(hf_config["rope_interleave"])
-    block = hf_fp8_block(hf_config, source=where)
+    block = hf_fp8_block(hf_config, source=where)   # None for MXFP4, whose scales are per 32 values of a row
     return from_hf(tensors, model_name, cfg, dtype=dtype, device=device, rope_interleave=rope_interleave,
                    ignore=ignore, source=str(directory), regions=regions, fp8_block=block)
 
@@ -612,12 +631,13 @@ def hf_fp8_block(hf: Mapping, *, source: str = "config.json") -> tuple[int, int]
         hf_fp8_block({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})  # (128, 128)
     """
     q = hf.get("quantization_config")
-    if q is None:
+    if q is None or (isinstance(q, Mapping) and q.get("quant_method") == "mxfp4"):
         return None
     if not isinstance(q, Mapping) or q.get("quant_method") != "fp8":
         method = q.get("quant_method") if isinstance(q, Mapping) else q
         raise ValueError(f"{source}: quantization_config.quant_method {method!r} is not read; the loader dequantizes "
-                         f"block-wise FP8 weights (quant_method 'fp8') only: load a bf16 or fp32 copy instead")
+                         f"block-wise FP8 weights (quant_method 'fp8') and MXFP4 ones (quant_method 'mxfp4', "
+                         f"gpt-oss's experts) only: load a bf16 or fp32 copy instead")
     if q.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"{source}: quantization_config.fmt {q['fmt']!r} is not read; the loader dequantizes "
                          f"float8 e4m3 weights (fmt 'e4m3')")
@@ -718,16 +738,15 @@ def hf_rope(hf: Mapping, *, source: str = "config.json") -> tuple[float | None, 
         raise ValueError(f"{source}: {name} type {kind!r} is not modelled; the models implement RoPE scaling "
                          f"{', '.join(ROPE_SCALINGS)} (or none: rope_type 'default')")
     if kind == "yarn":
-        if scaling.pop("truncate", True) is not True:
-            raise ValueError(f"{source}: {name}.truncate is false; the models round the YaRN correction range to "
-                             f"whole dims (truncate true), as DeepSeek-V3 does")
+        if scaling.get("truncate", True) is True:   # true, the default: rounded to whole dims (DeepSeek-V3)
+            scaling.pop("truncate", None)
         if "attention_factor" in scaling:
             raise ValueError(f"{source}: {name}.attention_factor={scaling['attention_factor']} is not modelled; "
                              f"the models derive the YaRN attention factor from mscale and mscale_all_dim")
         if "original_max_position_embeddings" not in scaling and "max_position_embeddings" in hf:
             scaling["original_max_position_embeddings"] = hf["max_position_embeddings"]
         scaling = {**HF_YARN_DEFAULTS, **scaling}
-    unknown = sorted(set(scaling) - set(ROPE_SCALINGS[kind]))
+    unknown = sorted(set(scaling) - set(ROPE_SCALINGS[kind]) - set(ROPE_SCALING_OPTIONS[kind]))
     if unknown:
         raise ValueError(f"{source}: {name}.{unknown[0]} is not modelled for a {kind} scaling (its keys: "
                          f"{', '.join(ROPE_SCALINGS[kind])})")
@@ -747,9 +766,11 @@ def _rope_disagreements(theirs: dict | None, ours: RopeScaling | None, name: str
         mine = "null" if ours is None else ours.type
         return [(f"{name} {theirs_cfg.to_dict()} but model.rope_scaling is {mine}",
                  f"model.rope_scaling={_flow(theirs_cfg.to_dict())}")]
-    return [(f"{name}.{k}={getattr(theirs_cfg, k)!r} but model.rope_scaling.{k}={getattr(ours, k)!r}",
-             f"model.rope_scaling.{k}={_yaml(getattr(theirs_cfg, k))}")
-            for k in ROPE_SCALINGS[ours.type] if not _same(getattr(theirs_cfg, k), getattr(ours, k))]
+    value = lambda s, k: (s.truncate is not False) if k == "truncate" else getattr(s, k)  # noqa: E731
+    return [(f"{name}.{k}={value(theirs_cfg, k)!r} but model.rope_scaling.{k}={value(ours, k)!r}",
+             f"model.rope_scaling.{k}={_yaml(value(theirs_cfg, k))}")
+            for k in ROPE_SCALINGS[ours.type] + ROPE_SCALING_OPTIONS[ours.type]
+            if not _same(value(theirs_cfg, k), value(ours, k))]
 
 
 def check_hf_config(hf: dict, model_name: str, cfg, *, source: str = "config.json") -> None:

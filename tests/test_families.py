@@ -1,6 +1,7 @@
-"""The Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral families through the stack: packaged sizes
+"""The Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss families through the stack: packaged sizes
 against the published parameter counts, training on 2-rank meshes against the one-device curve
-(fp32, rtol 1e-5), the sliding window refused by name under cp, and ``shardfn plan``.
+(fp32, rtol 1e-5), the sliding window refused by name under cp (and gpt-oss's sinks and windows
+under cp), and ``shardfn plan``.
 
 The transformers comparisons are in tests/test_hf_families.py.
 """
@@ -28,6 +29,9 @@ PUBLISHED = {
     "qwen3_235b_a22b": (235e9, 22e9, 0.0),
     "mixtral_8x7b": (46.7e9, 12.9e9, 0.0),
     "qwen1_5_moe_a2_7b": (14.3e9, 2.7e9, 0.0),
+    # OpenAI's figures count the embedding lookup as not active (models/gpt_oss.py: param_counts)
+    "gpt_oss_20b": (20.9e9, 3.6e9, 0.0),
+    "gpt_oss_120b": (116.8e9, 5.1e9, 0.0),
 }
 
 
@@ -40,7 +44,7 @@ def test_packaged_sizes_match_the_published_parameter_counts(name, capsys):
     assert abs(counts["active"] / (active or total) - 1) < max(0.01, rounding), counts
 
 
-TINY = ["qwen3_tiny", "qwen2_tiny", "mistral_tiny", "qwen3_moe_tiny", "mixtral_tiny", "qwen2_moe_tiny"]
+TINY = ["qwen3_tiny", "qwen2_tiny", "mistral_tiny", "qwen3_moe_tiny", "mixtral_tiny", "qwen2_moe_tiny", "gpt_oss_tiny"]
 WINDOW = "model.sliding_window=8"   # shorter than the test's 32-token sequences: the window is computed
 LAYOUTS = {
     "qwen3_tiny": {"tp2": ["mesh.tp=2"]},
@@ -49,6 +53,7 @@ LAYOUTS = {
     "qwen3_moe_tiny": {"ep2": ["mesh.ep=2"]},
     "mixtral_tiny": {"ep2": ["mesh.ep=2"]},
     "qwen2_moe_tiny": {"ep2": ["mesh.ep=2"]},
+    "gpt_oss_tiny": {"ep2": ["mesh.ep=2"]},   # its 16-token window is shorter than the 32-token sequences
 }
 """What the default suite trains each family on, all in one 2-rank spawn."""
 MORE_LAYOUTS = {
@@ -57,6 +62,7 @@ MORE_LAYOUTS = {
     "mistral_tiny": {"fsdp2": ["mesh.fsdp=2", WINDOW], "pp2": ["mesh.pp=2", "pipeline.microbatches=2", WINDOW]},
     "qwen3_moe_tiny": {"cp2": ["mesh.cp=2"]},
     "mixtral_tiny": {"tp2": ["mesh.tp=2"]},
+    "gpt_oss_tiny": {"tp2": ["mesh.tp=2"], "fsdp2": ["mesh.fsdp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
 }
 """The other layouts, with ``-m slow``."""
 
@@ -87,6 +93,20 @@ def test_the_sliding_window_is_refused_by_name_under_cp():
     check_run(models.get("mistral"), _config("mistral_tiny", "mesh.cp=2", "model.sliding_window=0"))
 
 
+def test_gpt_oss_sinks_shard_with_the_heads_and_its_layer_kinds_are_refused_under_cp():
+    from shardfn.partition.layouts import param_specs, resolve_rules
+
+    model = models.get("gpt_oss")
+    cfg = _config("gpt_oss_tiny", "mesh.tp=2")
+    axes = {"dp": 1, "fsdp": 1, "ep": 1, "tp": 2}
+    specs = param_specs(model.param_axes(cfg.model), resolve_rules(None, axes), axes)
+    assert specs["layers"]["attn"]["sinks"] == specs["layers"]["attn"]["bq"] != specs["layers"]["attn_norm"]
+    with pytest.raises(LayoutError, match=r"layer_types.*sliding-window layers .* attention sinks: neither is "
+                                          r"computed on tokens a layout reorders"):
+        check_run(model, _config("gpt_oss_tiny", "mesh.cp=2"))
+    check_run(model, _config("gpt_oss_tiny", "mesh.pp=2", "pipeline.microbatches=2"))   # stages cut the traced loss
+
+
 def test_interleaved_dense_and_moe_layers_are_refused_under_pp():
     cfg = _config("qwen3_moe_tiny", "model.n_layers=3", "model.mlp_only_layers=[1]", "mesh.pp=2")
     assert models.get("qwen3_moe").stacks(cfg.model) == [("dense_layers", 1), ("moe_layers", 2)]
@@ -95,8 +115,8 @@ def test_interleaved_dense_and_moe_layers_are_refused_under_pp():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,over", [(n, ["mesh.ep=2"] if "moe" in n or "mixtral" in n else ["mesh.tp=2"])
-                                       for n in TINY])
+@pytest.mark.parametrize("name,over", [(n, ["mesh.ep=2"] if any(m in n for m in ("moe", "mixtral", "oss"))
+                                        else ["mesh.tp=2"]) for n in TINY])
 def test_plan_works_for_every_family(name, over, capsys):
     assert cli.main(["plan", "--config", name, *over]) == 0
     assert "step time" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE and Mixtral against ``transformers`` itself (models/hf.py).
+"""Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss against ``transformers`` itself (models/hf.py).
 
 Each case builds a tiny random model from a transformers config object (nothing is downloaded),
 writes it with ``save_pretrained``, loads it with ``hf.load`` and compares logits and loss in
@@ -51,6 +51,13 @@ def _hf_config(kind: str, **over):
                 {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 40,
                  "expert_ffn_dim": 16, "shared_expert_ffn_dim": 24, "n_experts": 4, "top_k": 2, "norm_eps": 1e-6,
                  "rope_theta": 1e6, "norm_topk_prob": False})
+    if kind == "gpt_oss":  # HF's defaults: YaRN (factor 32, truncate false), alternating sliding / full layers
+        return (transformers.GptOssConfig(**{**ATTN, **over}, head_dim=8, intermediate_size=16, num_local_experts=4,
+                                          num_experts_per_tok=2, sliding_window=4),
+                {"vocab_size": 64, "dim": 32, "n_layers": over.get("num_hidden_layers", 2), "n_heads": 4,
+                 "n_kv_heads": 2, "head_dim": 8,
+                 "expert_ffn_dim": 16, "n_experts": 4, "top_k": 2, "sliding_window": 4, "norm_eps": 1e-6,
+                 **({"layer_types": over["layer_types"]} if "layer_types" in over else {})})
     assert kind == "mixtral"
     return (transformers.MixtralConfig(**ATTN, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
                                        rope_theta=1e6, **over),
@@ -61,9 +68,9 @@ def _hf_config(kind: str, **over):
 def _hf_model(hf_cfg, seed=0):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager").float().eval()
-    with torch.no_grad():  # norms at 1 and zero biases would hide a wrong norm or bias
+    with torch.no_grad():  # norms at 1 and zero biases (or sinks) would hide a wrong norm, bias or sink
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
+            if name.endswith(("norm.weight", ".bias", "_bias", "sinks")):
                 p.add_(torch.randn_like(p) * 0.3)
     return model
 
@@ -74,7 +81,9 @@ def _tokens(vocab=64):
 
 CASES = [("qwen3", {}), ("qwen2", {}), ("mistral", {}), ("qwen3_moe", {}),
          ("qwen3_moe", {"norm_topk_prob": False, "mlp_only_layers": [1]}),
-         ("qwen3_moe", {"decoder_sparse_step": 2}), ("mixtral", {}), ("qwen2_moe", {})]
+         ("qwen3_moe", {"decoder_sparse_step": 2}), ("mixtral", {}), ("qwen2_moe", {}), ("gpt_oss", {}),
+         ("gpt_oss", {"num_hidden_layers": 3, "layer_types": ["full_attention", "sliding_attention",
+                                                              "sliding_attention"]})]
 
 
 @pytest.mark.parametrize("kind,over", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
@@ -129,7 +138,7 @@ def test_config_json_read_in_both_formats_and_disagreements_named(tmp_path):
         ("num_key_value_heads", 4, r"num_key_value_heads=4 but model\.n_kv_heads=2"),
         ("model_type", "qwen3", r"model_type 'qwen3' .* is not a 'mistral' model .*set model\.name to match the "
                                   r"checkpoint: model\.name=qwen3"),
-        ("model_type", "gpt_oss", r"model_type 'gpt_oss' .* is not modelled; the architectures shardfn loads: "
+        ("model_type", "gemma3", r"model_type 'gemma3' .* is not modelled; the architectures shardfn loads: "
                                   r".*Qwen3ForCausalLM \(model\.name=qwen3\)"),
     ]:
         (tmp_path / "m" / "config.json").write_text(json.dumps({**old, key: value}))
@@ -210,7 +219,7 @@ def test_save_writes_every_key_transformers_needs(tmp_path, name):
 
 
 def test_gpt_oss_attention_sinks_and_clamped_swiglu_match_transformers():
-    """The core pieces gpt-oss needs, against transformers' own functions (the model is not built yet)."""
+    """The core pieces of gpt-oss, against transformers' own functions."""
     from transformers.models.gpt_oss import modeling_gpt_oss as G
 
     from shardfn.core import layers as L
@@ -231,3 +240,41 @@ def test_gpt_oss_attention_sinks_and_clamped_swiglu_match_transformers():
     experts = G.GptOssExperts(cfg)
     gate_up = torch.randn(5, 12, generator=g) * 6
     assert torch.equal(L.clamped_swiglu(gate_up, limit=cfg.swiglu_limit), experts._apply_gate(gate_up))
+
+
+def test_gpt_oss_yarn_is_transformers_at_the_published_size():
+    """gpt-oss's YaRN (factor 32, correction range not truncated) at head_dim 64: the frequencies
+    and the cos/sin scale transformers computes for GptOssConfig()."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from shardfn.config import load_config
+    from shardfn.core import layers as L
+
+    cfg = load_config("gpt_oss_20b").model
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.GptOssConfig())
+    ours = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    assert torch.allclose(ours, inv_freq, rtol=1e-6, atol=0)
+    truncated = L.rope_inv_freq(cfg.head_dim, cfg.rope_theta, L.RopeScaling(**{**vars(cfg.rope_scaling),
+                                                                                "truncate": None}))
+    assert (truncated - inv_freq).abs().max() > 1e-4                              # truncation would show
+    cos, _ = L.rope_tables(2, cfg.head_dim, cfg.rope_theta, scaling=cfg.rope_scaling)
+    assert abs(cos[0, 0].item() - attention_factor) < 1e-6
+
+
+def test_gpt_oss_config_json_disagreements_are_named(tmp_path):
+    hf_cfg, ours = _hf_config("gpt_oss")
+    _hf_model(hf_cfg).save_pretrained(tmp_path / "m")
+    written = json.loads((tmp_path / "m" / "config.json").read_text())
+    cfg = models.get("gpt_oss").Config.from_dict(ours)
+    for key, value, message in [
+        ("sliding_window", 8, r"sliding_window=8 but model\.sliding_window=4; override model\.sliding_window=8"),
+        ("layer_types", ["full_attention", "full_attention"], r"layer_types=\['full_attention', 'full_attention'\] "
+                                                              r"but model\.layer_types=\('sliding_attention'"),
+        ("swiglu_limit", 10.0, r"swiglu_limit=10\.0 but model\.swiglu_limit=7\.0"),
+        ("attention_bias", False, r"attention_bias is false, but gpt-oss's q/k/v/o projections have biases"),
+        ("rope_parameters", {**written["rope_parameters"], "truncate": True},
+         r"rope_parameters\.truncate=True but model\.rope_scaling\.truncate=False"),
+    ]:
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**written, key: value}))
+        with pytest.raises(ValueError, match=message):
+            hf.load(tmp_path / "m", "gpt_oss", cfg)

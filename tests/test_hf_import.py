@@ -472,12 +472,22 @@ def test_rope_types_that_are_not_modelled_are_refused_by_name(fmt, kind):
 
 @pytest.mark.parametrize("extra,message", [
     ({"attention_factor": 1.2}, r"rope_scaling\.attention_factor=1\.2 is not modelled"),
-    ({"truncate": False}, r"rope_scaling\.truncate is false"),
     ({"partial_rotary_factor": 0.5}, r"rope_scaling\.partial_rotary_factor=0\.5"),
 ])
 def test_yarn_keys_that_are_not_modelled_are_refused_by_name(extra, message):
     with pytest.raises(ValueError, match=message):
         hf.check_hf_config(_rope_json("type", 10000.0, {**YARN, **extra}), "moe", _cfg("moe", rope_scaling=YARN))
+
+
+def test_yarn_truncate_false_is_read_and_compared_with_the_model_config():
+    """gpt-oss's config.json says truncate: false (the correction range kept fractional)."""
+    with pytest.raises(ValueError, match=r"rope_scaling\.truncate=False but model\.rope_scaling\.truncate=True; "
+                                         r"override model\.rope_scaling\.truncate=false"):
+        hf.check_hf_config(_rope_json("type", 10000.0, {**YARN, "truncate": False}), "moe",
+                           _cfg("moe", rope_scaling=YARN))
+    cfg = _cfg("moe", rope_scaling={**YARN, "truncate": False})
+    hf.check_hf_config(_rope_json("type", 10000.0, {**YARN, "truncate": False}), "moe", cfg)
+    assert cfg.rope_scaling.to_dict()["truncate"] is False
 
 
 def test_mla_latent_norms_use_eps_1e6_whatever_norm_eps():
