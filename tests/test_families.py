@@ -118,5 +118,7 @@ def test_interleaved_dense_and_moe_layers_are_refused_under_pp():
 @pytest.mark.parametrize("name,over", [(n, ["mesh.ep=2"] if any(m in n for m in ("moe", "mixtral", "oss"))
                                         else ["mesh.tp=2"]) for n in TINY])
 def test_plan_works_for_every_family(name, over, capsys):
-    assert cli.main(["plan", "--config", name, *over]) == 0
-    assert "step time" in capsys.readouterr().out
+    assert cli.main(["plan", "--config", name, *over, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["time"]["step_s"] > 0 and plan["tokens_per_s_per_device"] > 0 and plan["fits"]
+    assert plan["per_rank"]["params_bytes"] > 0   # the traced detail: the family lowered on the mesh
