@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.core._torch_private import dtensor_wrapper, local_shard_slices
 from shardfn.partition import report
-from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
+from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes, functional_collectives
 from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
@@ -92,8 +92,9 @@ class LoweredStep:
     def compile(self, backend: str | None = "inductor") -> Callable:
         """The per-rank program compiled with torch.compile (``backend=None``: run it as is)."""
         if self._compiled is None or self._compiled[0] != backend:
-            gm = self.graph_module
-            fn = gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
+            fn = self.graph_module
+            if backend is not None:  # inductor takes no in-place collective (a bucket's all-reduce)
+                fn = torch.compile(functional_collectives(fn), backend=backend, dynamic=False)
             self._compiled = (backend, fn)
         return self._compiled[1]
 
