@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.core._torch_private import dtensor_wrapper, local_shard_slices
 from shardfn.partition import report
-from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
+from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes, functional_collectives
+from shardfn.partition.inplace import in_place_copy
 from shardfn.partition.local_map import mesh_scope
 from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
@@ -91,10 +92,14 @@ class LoweredStep:
         return out
 
     def compile(self, backend: str | None = "inductor") -> Callable:
-        """The per-rank program compiled with torch.compile (``backend=None``: run it as is)."""
+        """The per-rank program compiled with torch.compile (``backend=None``: run as it is, its
+        elementwise ops written in place where their input dies with them, ``partition.inplace``;
+        the reports read :attr:`graph_module`, before that rewrite)."""
         if self._compiled is None or self._compiled[0] != backend:
-            gm = self.graph_module
-            fn = gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
+            if backend is None:
+                fn = in_place_copy(self.graph_module)
+            else:  # inductor takes no in-place collective (a bucket's all-reduce)
+                fn = torch.compile(functional_collectives(self.graph_module), backend=backend, dynamic=False)
             self._compiled = (backend, fn)
         return self._compiled[1]
 
@@ -110,7 +115,10 @@ class LoweredStep:
         local = self._local(leaves)
         first = backend is not None and (self._compiled is None or self._compiled[0] != backend)
         start = time.perf_counter()
-        outs = self.compile(backend)(*local)
+        program = self.compile(backend)
+        if backend is None and any(x.requires_grad for x in local):  # autograd may keep what dies
+            program = self.graph_module
+        outs = program(*local)
         if first:  # torch.compile compiles on the first call
             self.announce(f"sf.jit: compiled {self.name} for {self.mesh} with {backend} and ran it once in "
                           f"{time.perf_counter() - start:.1f} s")

@@ -27,6 +27,7 @@ Beyond that, collectives are not reordered; scheduling them against compute is a
 
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -187,6 +188,25 @@ def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
         graph.erase_node(member.collective)
     for stack in unstacked:  # its pieces went into the buffer; the collective was its one reader
         graph.erase_node(stack)
+
+
+def functional_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (``gm`` itself where there is nothing to change) in which each bucket's
+    in-place all-reduce is the functional ``all_reduce`` again, for ``torch.compile``: inductor
+    refuses a custom op whose output aliases its input (``_c10d_functional.all_reduce_``), and
+    lowers the functional op onto the buffer in place itself, the buffer being dead after it.
+
+        compiled = torch.compile(functional_collectives(lowered.graph_module), backend="inductor")
+        eager = lowered.graph_module                  # keeps the in-place all-reduce
+    """
+    if not any(n.target is _c10d.all_reduce_.default for n in gm.graph.nodes):
+        return gm
+    graph = copy.deepcopy(gm.graph)  # the nodes copied, their values (meta) shared
+    for node in graph.nodes:
+        if node.target is _c10d.all_reduce_.default:
+            node.target = _c10d.all_reduce.default
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph)
 
 
 def member_input(node: torch.fx.Node) -> torch.fx.Node:

@@ -200,3 +200,21 @@ def test_bucketed_fsdp_step_compiles_with_inductor_and_says_so():
         lowered, compiled = rank["log"]  # 4 gathers, 2 scalar all-reduces, 1 bucketed reduce-scatter
         assert lowered.startswith("sf.jit: lowered step for Mesh(fsdp=2) in ") and lowered.endswith("(7 collectives)")
         assert compiled.startswith("sf.jit: compiled step for Mesh(fsdp=2) with inductor and ran it once in ")
+
+
+def test_the_program_for_inductor_has_the_functional_all_reduce_and_the_eager_one_keeps_it_in_place(
+        clean_process_group):
+    from shardfn.partition.bucket import functional_collectives
+
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 16, 16, generator=g), "out": torch.randn(16, 4, generator=g)}
+    step = sf.jit(_stacked_step, sf.Mesh({"dp": 2}, fake=True), in_specs=(P(), P("dp")), out_specs=(P(), P()),
+                  backend=None, bucket_bytes=DEFAULT_BUCKET_BYTES)
+    gm = step.lower(params, torch.randn(8, 16, generator=g)).graph_module
+    c10d = torch.ops._c10d_functional
+    targets = lambda m: [n.target for n in m.graph.nodes if n.target in (c10d.all_reduce.default,  # noqa: E731
+                                                                          c10d.all_reduce_.default)]
+    functional = functional_collectives(gm)
+    assert targets(functional) == [c10d.all_reduce.default]
+    assert targets(gm) == [c10d.all_reduce_.default]  # the program that runs eagerly: as it was
+    assert functional_collectives(functional) is functional  # nothing in place left to change
