@@ -133,7 +133,7 @@ _RUN: dict = {}
 def parity_run():
     """One spawn of two gloo ranks, read by every parity test below."""
     if "out" not in _RUN:
-        _RUN["out"] = spawn(_parity_worker, 2, timeout_s=180)
+        _RUN["out"] = spawn(_parity_worker, 2, timeout_s=600)
     return _RUN["out"]
 
 

@@ -374,7 +374,7 @@ def test_killed_save_keeps_the_previous_one_and_resume_is_exact_on_a_mesh(tmp_pa
     common = ["mesh.fsdp=2", "train.steps=6", "train.checkpoint.every=2", "train.checkpoint.keep=2",
               f"train.checkpoint.dir={d}"]
     with pytest.raises(RankFailed):
-        spawn(_train_worker, 2, args=(config, common, str(tmp_path / "killed.jsonl"), (1, 4)), timeout_s=240)
+        spawn(_train_worker, 2, args=(config, common, str(tmp_path / "killed.jsonl"), (1, 4)), timeout_s=600)
     killed = _losses(tmp_path / "killed.jsonl")
     assert sorted(killed) == [1, 2, 3, 4], "the killed run got through step 4 before its save"
     tmp = d / "step_00000004.tmp"
@@ -383,7 +383,7 @@ def test_killed_save_keeps_the_previous_one_and_resume_is_exact_on_a_mesh(tmp_pa
     assert ck.load_checkpoint(d / "step_00000002", *_fresh(load_config(config, SMALL))).step == 2  # it loads
 
     resume = [*common, "train.checkpoint.resume=true"]
-    resumed = spawn(_train_worker, 2, args=(config, resume, str(tmp_path / "resumed.jsonl")), timeout_s=240)
+    resumed = spawn(_train_worker, 2, args=(config, resume, str(tmp_path / "resumed.jsonl")), timeout_s=600)
     again = _losses(tmp_path / "resumed.jsonl")
     assert sorted(again) == [3, 4, 5, 6]
     assert [again[3], again[4]] == [killed[3], killed[4]], "bitwise: N + resume + N is the 2N-step run"
@@ -401,7 +401,7 @@ def test_resume_is_exact_on_a_moe_mesh(tmp_path):
 
 def test_reshard_on_load_dp2_tp2_to_fsdp2_and_one_device(tmp_path):
     config, d = "llama_tiny", tmp_path / "ckpt"
-    path = Path(spawn(_reshard_save_worker, 4, args=(config, ["mesh.dp=2", "mesh.tp=2"], str(d)), timeout_s=240)[0])
+    path = Path(spawn(_reshard_save_worker, 4, args=(config, ["mesh.dp=2", "mesh.tp=2"], str(d)), timeout_s=600)[0])
     assert len(list(path.glob("*.distcp"))) == 4 and ck.read_meta(path)["world_size"] == 4
     _, params, state = _state(config)  # what the 4 ranks saved
     # One device: plain tensors read from every rank's shards.
@@ -409,7 +409,7 @@ def test_reshard_on_load_dp2_tp2_to_fsdp2_and_one_device(tmp_path):
     _assert_trees_equal(loaded.params, params)
     _assert_trees_equal(loaded.opt_state, state)
     # fsdp=2 on 2 ranks: each rank reads its shards of the new layout, then trains on from them.
-    out = spawn(_reshard_load_worker, 2, args=(config, ["mesh.fsdp=2"], str(path)), timeout_s=240)
+    out = spawn(_reshard_load_worker, 2, args=(config, ["mesh.fsdp=2"], str(path)), timeout_s=600)
     for rank in out:
         assert rank["step"] == 1
         _assert_trees_equal(rank["params"], params)

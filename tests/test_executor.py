@@ -104,7 +104,7 @@ microbatch sums run in another order) can move that parameter by a few 1e-6 at l
 
 def check_parity(axes, names, m, steps=3, use_mesh=True):
     ref = reference(steps)
-    per_rank = spawn(_pipeline_worker, _world(axes), args=(axes, names, m, steps, use_mesh), timeout_s=240)
+    per_rank = spawn(_pipeline_worker, _world(axes), args=(axes, names, m, steps, use_mesh), timeout_s=600)
     for results in per_rank:  # every rank reports the same metrics and gathers the same trees
         for name in names:
             got = results[name]
@@ -160,7 +160,7 @@ def test_dualpipev_pairs_run_a_forward_while_the_other_chunks_gradient_arrives()
     # and waits on it only at B0@s2, so the gradient travels while the forward computes
     params, batch = tiny_params(), batches(1)[0]
     ref_grads, ref_loss = torch.func.grad_and_value(tiny_loss)(params, batch)
-    runs = spawn(_recorded_worker, 2, args=("dualpipev", 4), timeout_s=120)
+    runs = spawn(_recorded_worker, 2, args=("dualpipev", 4), timeout_s=600)
     per_rank = [r["use"] for r in runs]
     events = {name: (kind, in_flight) for name, kind, in_flight in per_rank[1]["events"]}
     assert "RECV_B0@s2" in events["F2@s1"][1] and "RECV_B1@s2" in events["F3@s1"][1]
@@ -277,7 +277,7 @@ def test_llama_tiny_config_matches_the_one_device_step():
         )
         params, state, metrics = train_step(params, state, batch)
         ref_losses.append(metrics["loss"])
-    out = spawn(_llama_worker, 2, args=(overrides, steps), timeout_s=240)
+    out = spawn(_llama_worker, 2, args=(overrides, steps), timeout_s=600)
     assert [o["stages"] for o in out] == [(0,), (1,)]
     for o in out:
         for a, b in zip(o["losses"], ref_losses):

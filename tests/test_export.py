@@ -67,7 +67,7 @@ def fsdp2(tmp_path_factory):
     """The same run on 2 gloo ranks with mesh.fsdp=2: ``(cfg, directory, final params gathered)``."""
     d = tmp_path_factory.mktemp("fsdp2") / "ckpt"
     overrides = [*SMALL, "mesh.fsdp=2", "train.checkpoint.every=2", f"train.checkpoint.dir={d}"]
-    out = spawn(_train_rank, 2, args=(overrides,), timeout_s=240)
+    out = spawn(_train_rank, 2, args=(overrides,), timeout_s=600)
     return load_config("llama_tiny", overrides), d, out[0]
 
 
@@ -124,7 +124,7 @@ def test_pipeline_checkpoint_exports_bitwise(tmp_path):
     d = tmp_path / "ckpt"
     overrides = [*SMALL, "model.n_layers=2", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2",
                  "train.checkpoint.every=2", f"train.checkpoint.dir={d}"]
-    spawn(_pipeline_rank, 2, args=(overrides,), timeout_s=240)
+    spawn(_pipeline_rank, 2, args=(overrides,), timeout_s=600)
     cfg, path = load_config("llama_tiny", overrides), d / "step_00000002"
     chunks = dcp_chunks(path, "params.layers.attn.wq")
     assert sorted(c.offsets[0] for c in chunks) == [0, 1], "each stage saved its own layer"

@@ -109,7 +109,7 @@ def expected_bytes(idx, ep, dp, rank):
                          [("random", 2, 1), ("one_expert", 2, 1), ("skip_expert", 4, 1), ("random", 2, 2)])
 def test_expert_parallel_matches_naive_loop(routing, ep, dp):
     ref_loss, ref_grads, idx = reference(routing)
-    outs = spawn(_worker, ep * dp, args=(routing, ep, dp), timeout_s=180)
+    outs = spawn(_worker, ep * dp, args=(routing, ep, dp), timeout_s=600)
     for rank, out in enumerate(outs):
         assert out["again"] == out["stats"]
         torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-5, atol=1e-6)
@@ -167,8 +167,8 @@ def _shared_reference(params, x, keep=None):
 
 def test_shared_experts_overlap_and_large_capacity_equal_dropless():
     x, _, _ = make_inputs("random")
-    dropless, roomy = spawn(_shared_capacity_worker, 2, args=(0.0,), timeout_s=120)[0], \
-        spawn(_shared_capacity_worker, 2, args=(float(E),), timeout_s=120)[0]
+    dropless, roomy = spawn(_shared_capacity_worker, 2, args=(0.0,), timeout_s=600)[0], \
+        spawn(_shared_capacity_worker, 2, args=(float(E),), timeout_s=600)[0]
     ref_loss, ref_grads = _shared_reference(dropless["params"], x)
     for out in (dropless, roomy):
         torch.testing.assert_close(out["loss"], ref_loss, rtol=1e-5, atol=1e-6)
@@ -190,7 +190,7 @@ def test_capacity_drop_rate_equals_direct_count():
     cf = 0.5
     x, w_router, _ = make_inputs("random")
     idx, _ = route_static(x, w_router)
-    outs = spawn(_shared_capacity_worker, 2, args=(cf,), timeout_s=120)
+    outs = spawn(_shared_capacity_worker, 2, args=(cf,), timeout_s=600)
     n_tok = T // 2
     cap = max(1, int(cf * n_tok * K / E + 0.999999))
     for rank, out in enumerate(outs):
@@ -205,8 +205,8 @@ def test_chunked_exchange_matches_the_reference_and_moves_the_same_bytes():
     expert runs, each combine after its chunk's experts; the loss and gradients are the
     reference's, and each phase moves the unchunked exchange's bytes in three parts."""
     x, _, _ = make_inputs("random")
-    whole = spawn(_shared_capacity_worker, 2, args=(0.0, 1), timeout_s=120)
-    chunked = spawn(_shared_capacity_worker, 2, args=(0.0, 3), timeout_s=120)
+    whole = spawn(_shared_capacity_worker, 2, args=(0.0, 1), timeout_s=600)
+    chunked = spawn(_shared_capacity_worker, 2, args=(0.0, 3), timeout_s=600)
     ref_loss, ref_grads = _shared_reference(chunked[0]["params"], x)
     torch.testing.assert_close(chunked[0]["loss"], ref_loss, rtol=1e-5, atol=1e-6)
     for k in ref_grads:

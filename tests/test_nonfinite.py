@@ -114,7 +114,7 @@ def _two_rank_worker(overrides):
 def test_two_ranks_skip_alike_and_raise_naming_the_step(tmp_path):
     overrides, params, bad = poisoned_run(tmp_path)
     ref_params, _ = replay(overrides, params, bad)
-    for got, skipped, error in spawn(_two_rank_worker, 2, args=(overrides,), timeout_s=120):
+    for got, skipped, error in spawn(_two_rank_worker, 2, args=(overrides,), timeout_s=600):
         assert skipped == [s + 1 for s in bad]
         assert error is not None and error.startswith(f"step {bad[0] + 1}: loss is nan, grad_norm is nan")
         for a, b in zip(tree_leaves(got), tree_leaves(ref_params)):

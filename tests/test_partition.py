@@ -75,7 +75,7 @@ EXPECTED_COMM = {
 def test_mlp_parity_and_bytes(layout):
     p, x = mlp_data()
     ref_p, ref_loss = make_step(None)(p, x)
-    out = spawn(_mlp_worker, 2, args=(layout, None), timeout_s=180)
+    out = spawn(_mlp_worker, 2, args=(layout, None), timeout_s=600)
     for rank_out in out:
         torch.testing.assert_close(rank_out["loss"], ref_loss, rtol=1e-5, atol=1e-6)
         for k in ref_p:
@@ -122,7 +122,7 @@ def test_local_map_parity():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
     ref_w, ref_loss = region_step(w, x)
-    new_w, loss, comm = spawn(_local_map_worker, 2, timeout_s=120)[1]
+    new_w, loss, comm = spawn(_local_map_worker, 2, timeout_s=600)[1]
     torch.testing.assert_close(new_w, ref_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     # the weight's cotangent is a partial sum over dp: one all-reduce of 8x8 fp32, plus the loss
@@ -464,7 +464,7 @@ def _ln_worker():
 
 def test_layer_norm_without_its_bias_gathered_matches_one_device():
     ref = _ln_step(*_ln_data())
-    for rank in spawn(_ln_worker, 2, timeout_s=120):
+    for rank in spawn(_ln_worker, 2, timeout_s=600):
         for k in ref:
             torch.testing.assert_close(rank[k], ref[k], rtol=1e-5, atol=1e-6)
 
@@ -555,7 +555,7 @@ def _qkv_worker():
 
 def test_head_major_qkv_on_tp2_matches_one_device():
     ref = _qkv_step(True)(*_qkv_data())
-    for rank in spawn(_qkv_worker, 2, timeout_s=120):
+    for rank in spawn(_qkv_worker, 2, timeout_s=600):
         for k in ref:
             torch.testing.assert_close(rank[k], ref[k], rtol=1e-5, atol=1e-5)
 
