@@ -44,7 +44,7 @@ _EXPORTS = {
     "constrain": ("shardfn.partition.constrain", "constrain"),
     "local_map": ("shardfn.partition.local_map", "local_map"),
     "pipeline_split": ("shardfn.partition.constrain", "pipeline_split"),
-    "register_autograd": ("shardfn.partition.constrain", "register_autograd"),
+    "register_autograd": ("shardfn.core.custom_ops", "register_autograd"),
     "value_and_grad": ("shardfn.core.transforms", "value_and_grad"),
     "grad": ("shardfn.core.transforms", "grad"),
     "stop_gradient": ("shardfn.core.transforms", "stop_gradient"),

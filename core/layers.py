@@ -136,48 +136,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tenso
         y = rms_norm(torch.randn(2, 3, 8), torch.ones(8))  # each row has RMS ~1
     """
     with scope("shardfn.rms_norm"):
-        if _RMSNorm.applies(x, w):
-            return _RMSNorm.apply(x, w, eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return normed.to(x.dtype) * w
-
-
-class _RMSNorm(torch.autograd.Function):
-    """:func:`rms_norm` with its backward written out: the same ops autograd runs for it, to the
-    bit, less three full-size ones. Autograd's ``pow`` backward makes ``x ** 1``, ``2 * x`` and
-    ``grad * (2 * x)``, with ``grad`` the mean's gradient expanded over the row; here that is one
-    ``x * (2 * c)`` with ``c`` the row's value (the same product: doubling is exact), and the
-    mean's expansion is not made at all. Used eagerly only: traced graphs keep the plain ops."""
-
-    @staticmethod
-    def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-        """Eagerly, on plain tensors of one dtype, when a gradient is wanted."""
-        return (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad) and type(x) is torch.Tensor
-                and type(w) is torch.Tensor and x.dtype == w.dtype and eager())
-
-    @staticmethod
-    def forward(ctx, x, w, eps):
-        x32 = x.float()
-        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)                   # [..., 1]
-        n = (x32 * r).to(x.dtype)
-        ctx.save_for_backward(x32, r, n, w)
-        return n * w
-
-    @staticmethod
-    def backward(ctx, g):
-        x32, r, n, w = ctx.saved_tensors
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = (g * n).sum_to_size(w.shape)                                   # as MulBackward0
-        if ctx.needs_input_grad[0]:
-            grad_n = (g * w).to(x32.dtype)
-            grad_r = (grad_n * x32).sum(-1, keepdim=True)                           # [..., 1]
-            grad_ms = -0.5 * grad_r * r.pow(3)                                      # as RsqrtBackward0
-            per_elem = grad_ms / x32.shape[-1]                                      # as MeanBackward1, per row
-            grad_x = grad_n.mul_(r).add_(x32 * (2.0 * per_elem))                    # the product's share + the square's
-            grad_x = grad_x.to(n.dtype)                                             # x.float()'s backward
-        return grad_x, grad_w, None
 
 
 ROPE_SCALINGS: dict[str, tuple[str, ...]] = {
@@ -484,7 +445,8 @@ def attention(
     Query head ``h`` reads kv head ``h // (H // Hkv)``. Eagerly or under ``torch.compile``, on
     plain tensors, the kernel reads the groups itself (``enable_gqa=True``), with no repeated
     copies going forward nor their gradients summed coming back: the same output, and key/value
-    gradients that differ only in the order each group's sum is taken. Traced by ``make_fx``
+    gradients that differ only in the order each group's sum is taken (forward and backward ~9%
+    faster at llama_tiny's shapes on one CPU thread, ``benchmarks/bench_eager_forms.py``). Traced by ``make_fx``
     (the partitioner's trace) or inside a ``torch.func`` transform, the key/value heads are
     repeated (``repeat_interleave``) before ``scaled_dot_product_attention``, so the fused kernel
     sees equal head counts, which the partitioner's sharding rules split over heads; once

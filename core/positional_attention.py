@@ -22,6 +22,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from shardfn.core.custom_ops import register_autograd
+
 __all__ = ["positional_attention", "positional_attention_reference"]
 
 
@@ -76,30 +78,21 @@ def _(grad, q, k, v, q_pos, k_pos, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-class _PositionalAttention(torch.autograd.Function):
-    """The op with its derivative in the form ``torch.func`` transforms accept (``setup_context``),
-    as ``core.grouped_mm`` does: ``custom_op``'s ``register_autograd`` alone is not usable under
-    ``torch.func.grad`` on this torch."""
-
-    @staticmethod
-    def forward(q, k, v, q_pos, k_pos, scale):
-        return torch.ops.shardfn.positional_attention(q, k, v, q_pos, k_pos, scale)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, v, q_pos, k_pos, scale = inputs
-        ctx.save_for_backward(q, k, v, q_pos, k_pos)
-        ctx.scale = scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, q_pos, k_pos = ctx.saved_tensors
-        with torch.no_grad():  # first derivatives only
-            dq, dk, dv = torch.ops.shardfn.positional_attention_backward(grad, q, k, v, q_pos, k_pos, ctx.scale)
-        return dq, dk, dv, None, None, None
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_pos, k_pos, scale = inputs
+    ctx.save_for_backward(q, k, v, q_pos, k_pos)
+    ctx.scale = scale
 
 
-_forward.register_autograd(_PositionalAttention.backward, setup_context=_PositionalAttention.setup_context)
+def _derivative(ctx, grad):
+    q, k, v, q_pos, k_pos = ctx.saved_tensors
+    with torch.no_grad():  # first derivatives only
+        dq, dk, dv = torch.ops.shardfn.positional_attention_backward(grad, q, k, v, q_pos, k_pos, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_differentiable = register_autograd(_forward, _derivative, setup_context=_setup_context)
+"""The op with its derivative, in the form ``torch.func`` transforms accept."""
 
 
 def positional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -119,7 +112,7 @@ def positional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_po
         out = positional_attention(torch.randn(2, 4, 16, 8), kv, kv, pos, pos)   # kv [2, 2, 16, 8]
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _PositionalAttention.apply(q, k, v, q_pos, k_pos, scale)
+    return _differentiable(q, k, v, q_pos, k_pos, scale)
 
 
 def positional_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -129,4 +122,4 @@ def positional_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
 
         out = positional_attention_op(q, k, v, pos, pos, 0.25)
     """
-    return _PositionalAttention.apply(q, k, v, q_pos, k_pos, scale)
+    return _differentiable(q, k, v, q_pos, k_pos, scale)

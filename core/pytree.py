@@ -42,14 +42,6 @@ def tree_unflatten(treedef, leaves: list) -> PyTree:
     return optree.tree_unflatten(treedef, leaves)
 
 
-def tree_zip(*trees: PyTree) -> PyTree:
-    """One tree of tuples from several trees of the same structure.
-
-        tree_zip({"w": 1}, {"w": 2})  # {"w": (1, 2)}
-    """
-    return optree.tree_map(lambda *xs: xs, *trees, none_is_leaf=False)
-
-
 def _path_str(path: tuple) -> str:
     return ".".join(str(k) for k in path)
 

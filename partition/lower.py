@@ -98,6 +98,9 @@ def lower(
         return result
 
     example = local_inputs(traced, mesh, in_placements)
+    # DTensor caches decisions by meshes that compare equal; those of an equal mesh built earlier
+    # (another Mesh of the same axes) name that mesh's process groups, not this one's
+    private.clear_sharding_cache()
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
     read_grouped_heads(gm)  # local shapes: the fused attention kernels read key/value groups without repeats

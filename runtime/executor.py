@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from shardfn.core.pytree import flatten_with_paths, tree_map
+from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.schedules import Action, Schedule, add_communication, group_steps, pair_overlaps
 from shardfn.partition.stages import Pipeline
 from shardfn.runtime.interleave import run_pair
@@ -401,25 +401,6 @@ def split_microbatches(batch: dict[str, torch.Tensor], n: int) -> list[dict[str,
     chunks = {p: t.chunk(n, 0) for p, t in flat.items()}
     # contiguous, as traced: the stage programs' views assume the trace's (contiguous) strides
     return [{p: c[i].contiguous() for p, c in chunks.items()} for i in range(n)]
-
-
-def dp_shard(batch: dict, dp_rank: int, dp: int) -> dict:
-    """This data-parallel rank's contiguous rows of every leaf of ``batch``.
-
-        dp_shard({"inputs": x}, 1, 2)["inputs"]  # x[B // 2:]
-    """
-    if dp == 1:
-        return batch
-
-    def rows(t):
-        if t.shape[0] % dp:
-            raise ValueError(f"a batch leaf has {t.shape[0]} rows, not divisible by the {dp} data-parallel ranks "
-                             f"(mesh.dp x mesh.ep); make train.batch_size a multiple of mesh.dp x mesh.ep x "
-                             f"pipeline.microbatches")
-        n = t.shape[0] // dp
-        return t[dp_rank * n:(dp_rank + 1) * n]
-
-    return tree_map(rows, batch)
 
 
 # ----------------------------------------------------------------------------- traces

@@ -85,6 +85,20 @@ def test_positional_attention_in_any_order_is_causal_attention_reordered():
     torch.testing.assert_close(out, ref[:, :, order], rtol=1e-6, atol=1e-6)
 
 
+def test_positional_attention_gradients_are_the_reference_formulas_under_autograd_and_torch_func():
+    from shardfn.core.positional_attention import positional_attention_reference
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*s, generator=g) for s in ((2, 4, 8, 6), (2, 2, 8, 6), (2, 2, 8, 6)))
+    pos = torch.randperm(8, generator=g).expand(2, 8)
+    ours = lambda q, k, v: positional_attention(q, k, v, pos, pos).square().sum()  # noqa: E731
+    want = torch.func.grad(lambda q, k, v: positional_attention_reference(q, k, v, pos, pos, 6 ** -0.5)
+                           .square().sum(), argnums=(0, 1, 2))(q, k, v)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    for got in (torch.func.grad(ours, argnums=(0, 1, 2))(q, k, v), torch.autograd.grad(ours(*leaves), leaves)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
 def test_model_loss_with_reordered_tokens_is_the_one_device_loss(config):
     cfg, model, params, _, batches = setup([], config)

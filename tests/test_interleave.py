@@ -38,8 +38,10 @@ def test_the_second_member_computes_while_the_first_waits():
 
 
 def test_handoff_outside_a_pair_waits_in_place():
-    with handoff():
-        pass   # no pair: nothing to switch to, and nothing blocks
+    ran = []
+    with handoff():   # no pair: nothing to switch to, and nothing blocks
+        ran.append(threading.get_ident())
+    assert ran == [threading.get_ident()]   # the body ran once, here
 
 
 def test_a_members_error_is_raised_after_both_are_done():

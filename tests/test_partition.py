@@ -278,6 +278,21 @@ def test_fsdp_argnums_alone_reduce_scatters_gradients(clean_process_group):
     assert "all_reduce" not in by_op
 
 
+def test_a_second_fake_mesh_of_the_same_axes_lowers_on_its_own_groups(clean_process_group):
+    def step(p, x):
+        g = torch.func.grad(lambda p, x: (x @ p["w"]).square().mean())(p, x)
+        return {"w": p["w"] - 0.1 * g["w"]}
+
+    p, x = {"w": torch.randn(16, 32)}, torch.randn(8, 16)
+    reports = []
+    for _ in range(2):  # equal meshes, each on subgroups of its own
+        mesh = sf.Mesh({"dp": 2, "fsdp": 2}, fake=True)
+        rows = sf.jit(step, mesh, in_specs=({"w": P("fsdp")}, P(("dp", "fsdp"))), out_specs={"w": P("fsdp")},
+                      backend=None).lower(p, x).comm_report()
+        reports.append(sorted((r["op"], r["axis"], r["bytes"]) for r in rows))
+    assert reports[0] == reports[1] and {axis for _, axis, _ in reports[0]} == {"dp", "fsdp"}
+
+
 def test_a_partial_sum_used_twice_is_reduced_once(clean_process_group):
     mesh = sf.Mesh({"tp": 2}, fake=True)
 

@@ -424,8 +424,6 @@ def test_published_rows_are_what_plan_prints(clean_process_group):
 def test_three_runs_fit_three_constants():
     fitted = [r for r in PUBLISHED_RUNS if r.fitted]
     assert len(fitted) == 3 and len(PUBLISHED_RUNS) - len(fitted) >= 5
-    assert efficiency("h100_96gb").clock == 0.63 and runmodel.EXPERT_LOAD_IMBALANCE == 1.28
-    assert runmodel.EAGER_ELEMENTWISE_FACTOR == 3.3
     assert all(efficiency(n).clock == 1.0 for n in ("a100", "h100", "h200"))
 
 

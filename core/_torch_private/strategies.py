@@ -78,11 +78,6 @@ def _op_strategy(device_mesh, arg: TensorArg, options=None):
     return OpStrategy([OpSpec(_spec(device_mesh, pl, arg.val)) for pl in (options or arg.options)])
 
 
-def has_strategy(op) -> bool:
-    sp = _propagator()
-    return op in sp.op_single_dim_strategy_funcs or op in sp.op_strategy_funcs
-
-
 def _schema(op, args, kwargs, device_mesh, choose):
     """An OpSchema with each TensorArg replaced by ``choose(arg)`` (an OpStrategy)."""
     from torch.distributed.tensor._op_schema import OpSchema, TupleStrategy
