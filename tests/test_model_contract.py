@@ -160,6 +160,66 @@ def test_train_compile_says_when_it_compiles_no_model_layer():
         "compiling one layer, which every layer then runs (train.compile)")
 
 
+def _unmarked_example(tmp_path) -> str:
+    """The example model with its layer function's @repeated mark taken off, as a file of its own."""
+    source = (ROOT / "examples" / "models" / "qwen_moe.py").read_text()
+    assert source.count("@repeated\n") == 1
+    path = tmp_path / "qwen_moe_unmarked.py"
+    path.write_text(source.replace("@repeated\n", ""))
+    return str(path)
+
+
+def test_train_compile_finds_the_layer_function_of_an_unmarked_model(tmp_path, monkeypatch):
+    """The unmarked example's ``block`` is the function its loss calls once per layer; train.compile
+    names it, marks it, and the step compiles it once: loss and gradients as eager (fp32)."""
+    from shardfn.core import regional
+    from shardfn.core.layer_search import find_layer_fns, mark_found_layers
+    from shardfn.core.transforms import value_and_grad
+    from shardfn.runtime.train import first_step_work
+
+    name = _unmarked_example(tmp_path)
+    model = models.get(name)
+    cfg = model.Config(n_layers=3)
+    assert model.compiled_layer_fns() == [] and list(find_layer_fns(model, cfg)) == ["block"]
+    line = first_step_work(config_from_dict({"model": {"name": name}}, [*BASE, "train.compile=true"]))
+    assert line == ("compiling one layer, which every layer then runs (train.compile): block, found unmarked as the "
+                    "function the loss calls once per layer of params['layers'] (2 layers)")
+    params = model.init(cfg, 0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens, "targets": tokens.roll(-1, 1)}
+    grad_fn = value_and_grad(lambda p: model.loss(p, batch, cfg))
+    eager_loss, eager_grads = grad_fn(params)
+
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    assert list(mark_found_layers(model, cfg)) == ["block"] and model.compiled_layer_fns() == [model.block]
+    with regional.compiled_layers(backend="aot_eager"):
+        loss, grads = grad_fn(params)
+    assert [f.__name__ for f in compiled] == ["block"]  # one compilation, which all 3 layers ran
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grads, eager_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_train_compile_on_inline_layers_says_what_to_write():
+    from shardfn.runtime.train import first_step_work
+
+    assert first_step_work(dense_config("train.compile=true")) == (
+        f"compiling no model layer: model '{DENSE}' marks no function with shardfn.core.regional.repeated, and no "
+        f"function of its module takes one layer of params['layers'] (2 layers) as its first argument (its layers "
+        f"run inline in the loss), so only the optimizer update runs compiled; put one layer's code in a function "
+        f"called once per layer, e.g. `h = block(p, h, ...)` for each p in core.layers.unstack(...), and mark it "
+        f"@repeated, or set train.compile=whole (train.compile)")
+
+
+@pytest.mark.slow
+def test_train_compile_trains_an_unmarked_model_as_eager(tmp_path):
+    cfg = config_from_dict({"model": {"name": _unmarked_example(tmp_path)}}, BASE)
+    eager = _losses(cfg)
+    compiled = _losses(config_from_dict({"model": {"name": cfg.model_name}}, [*BASE, "train.compile=true"]))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+
+
 def test_export_without_hf_names_is_one_line(tmp_path, capsys):
     from shardfn import cli
 
