@@ -289,24 +289,71 @@ def test_the_example_plans_at_a_100b_class_size(capsys):
     assert "params: 99.71B total, 6.09B active per token" in out and "layers 0-47" in out and ": fits" in out
 
 
-def test_a_pipeline_split_blocked_by_a_per_layer_value_says_which_values_cross():
+def _split(loss_fn, cfg, tokens):
+    """The two-stage split of ``loss_fn`` on ``tokens``: the pipeline, each stage's share of the
+    FLOPs, and the warnings it gave."""
     import warnings
 
     from shardfn.partition.stages import build_pipeline
 
     moe = models.get("moe")
-    tokens = torch.zeros(2, 16, dtype=torch.long)
-    messages = {}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pipe = build_pipeline(loss_fn, moe.init(cfg, 0), {"inputs": tokens, "targets": tokens.roll(-1, 1)},
+                              n_stages=2)
+    total = sum(s.flops for s in pipe.stages)
+    return pipe, [s.flops / total for s in pipe.stages], [str(w.message) for w in record
+                                                          if str(w.message).startswith("pipeline stages")]
+
+
+def test_a_per_layer_auxiliary_loss_splits_as_evenly_as_without_it():
+    """moe (9 layers) with a balance loss, summed after the last layer, splits where it does
+    without (47% / 53% of the FLOPs; it was 22% / 78% when the running sum blocked every cut but
+    one): each stage adds up its layers' terms, and the two stages' loss, gradients and aux values
+    are one device's."""
+    from shardfn.core.pytree import tree_leaves
+    from shardfn.core.transforms import value_and_grad
+    from shardfn.partition.schedules import get_schedule
+    from shardfn.partition.stages import merge_params, stage_params
+    from shardfn.runtime.executor import run_schedule, split_microbatches
+
+    moe = models.get("moe")
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    shares = {}
     for alpha in (0.0, 0.01):
         cfg = moe.Config(n_layers=9, aux_loss_alpha=alpha)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            build_pipeline(lambda p, b: moe.loss(p, b, cfg), moe.init(cfg, 0), {"inputs": tokens, "targets": tokens},
-                           n_stages=2)
-        messages[alpha] = [str(w.message) for w in record if str(w.message).startswith("pipeline stages")]
-    assert messages[0.0] == []  # without the balance loss every layer boundary is a cut, and the split is even
-    (message,) = messages[0.01]
+        pipe, shares[alpha], warned = _split(lambda p, b: moe.loss_and_aux(p, b, cfg), cfg, tokens[:2])
+        assert warned == []
+    assert [round(x, 3) for x in shares[0.01]] == [0.468, 0.532]
+    torch.testing.assert_close(shares[0.01], shares[0.0], rtol=0, atol=1e-3)
+    assert [s.sides for s in pipe.stages] == [("loss", "aux:balance_loss"), ("aux:balance_loss", "aux:ce_loss")]
+
+    params = moe.init(cfg, 0)
+    batch = {"inputs": tokens, "targets": tokens.roll(-1, 1)}
+    out = run_schedule(pipe, get_schedule("interleaved_1f1b", 1, 2, 2), 0,
+                       {s: stage_params(params, pipe, s) for s in range(2)}, split_microbatches(batch, 2), group=None)
+    (loss, aux), grads = value_and_grad(lambda p: moe.loss_and_aux(p, batch, cfg), has_aux=True)(params)
+    assert aux["balance_loss"] > 0 and set(out.aux) == {"balance_loss", "ce_loss"}
+    torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=0)
+    for key, value in out.aux.items():
+        torch.testing.assert_close(value, aux[key], rtol=1e-5, atol=0)
+    for a, b in zip(tree_leaves(merge_params(out.grads, pipe)), tree_leaves(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_split_that_truly_cannot_balance_says_which_values_cross():
+    """A loss that multiplies by the per-layer sum keeps it alive across every layer boundary:
+    that split stays uneven, and the warning names the values."""
+    moe = models.get("moe")
+    cfg = moe.Config(n_layers=9, aux_loss_alpha=0.01)
+
+    def scaled(p, b):
+        value, aux = moe.loss_and_aux(p, b, cfg)
+        return value * (1 + aux["balance_loss"])
+
+    _, shares, (message,) = _split(scaled, cfg, torch.zeros(2, 16, dtype=torch.long))
+    assert [round(x, 2) for x in shares] == [0.22, 0.78]
     assert message.startswith("pipeline stages hold 22% / 78% of the cost, more than 10% off even: 7 of 8 layer "
                               "boundaries are no valid cut (one activation crossing): before layer moe_layers.4, "
                               "6 values cross: ")
-    assert "(mul.Tensor, shape [])" in message and "an auxiliary loss summed after the last layer" in message
+    assert "(mul.Tensor, shape [])" in message and "unless the loss adds it up" in message
