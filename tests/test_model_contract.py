@@ -29,30 +29,42 @@ EXAMPLE_LAYOUTS = {"ep2": ["mesh.ep=2"], "tp2": ["mesh.tp=2"], "cp2": ["mesh.cp=
 (``EXAMPLE_DATA_LAYOUTS``, covered for the dense model) run with ``-m slow``."""
 EXAMPLE_DATA_LAYOUTS = {"dp2": ["mesh.dp=2"], "fsdp2": ["mesh.fsdp=2"]}
 DENSE_LAYOUTS = {"dp2": ["mesh.dp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]}
+MOE_AUX = ["model.aux_loss_alpha=0.01", "model.n_layers=4"]
+"""moe_tiny with a balance loss and 4 layers (pp2 puts MoE layers on both stages): its aux values
+(``ce_loss``, ``balance_loss``) are metrics."""
+MOE_AUX_LAYOUTS = {"moe_tiny pp2": ["mesh.pp=2", "pipeline.microbatches=2"]}
+"""What the example's default spawn also trains: moe_tiny's aux metrics under pp."""
 
 
 def dense_config(*overrides, name=DENSE):
     return config_from_dict({"model": {"name": name}}, [*BASE, *overrides])
 
 
-def _losses(cfg) -> torch.Tensor:
+def _curves(cfg) -> dict[str, torch.Tensor]:
+    """Each metric the run reports every step (loss, grad_norm, lr, aux values), by step."""
     from shardfn.runtime.train import train
 
-    return torch.tensor([r["loss"] for r in train(cfg, log=lambda line: None).history], dtype=torch.float64)
+    history = train(cfg, log=lambda line: None).history
+    keys = [k for k in history[0] if k not in ("step", "tokens_per_s", "time_s") and all(k in r for r in history)]
+    return {k: torch.tensor([r[k] for r in history], dtype=torch.float64) for k in keys}
+
+
+def _losses(cfg) -> torch.Tensor:
+    return _curves(cfg)["loss"]
 
 
 def layouts_worker(cfg_dicts: list) -> list:
-    """Each run config trained in turn on this rank's process group: its losses."""
+    """Each run config trained in turn on this rank's process group: its metrics by step."""
     from shardfn.config import config_from_dict
 
-    return [_losses(config_from_dict(d)) for d in cfg_dicts]
+    return [_curves(config_from_dict(d)) for d in cfg_dicts]
 
 
 _RUNS: dict = {}
 
 
-def run_layouts(configs: dict) -> dict:
-    """``layouts_worker`` on 2 gloo ranks, once per session for each set of layouts; rank 0's losses."""
+def run_layout_curves(configs: dict) -> dict:
+    """``layouts_worker`` on 2 gloo ranks, once per session for each set of layouts; rank 0's metrics."""
     from shardfn.runtime.launch import spawn
 
     key = tuple(configs)
@@ -60,6 +72,11 @@ def run_layouts(configs: dict) -> dict:
         out = spawn(layouts_worker, 2, args=([c.to_dict() for c in configs.values()],), timeout_s=600)
         _RUNS[key] = dict(zip(configs, out[0]))
     return _RUNS[key]
+
+
+def run_layouts(configs: dict) -> dict:
+    """:func:`run_layout_curves`' losses."""
+    return {name: curves["loss"] for name, curves in run_layout_curves(configs).items()}
 
 
 # ----------------------------------------------------------------------------- the open door
@@ -251,10 +268,30 @@ def test_the_minimal_dense_model_trains_on_one_device_dp2_and_pp2():
 def test_the_example_model_matches_one_device_on_every_layout(layouts):
     ref = _losses(load_config(EXAMPLE, BASE))
     assert ref[-1] < ref[0]
-    runs = run_layouts({k: load_config(EXAMPLE, [*BASE, *v]) for k, v in layouts.items()})
-    assert set(runs) == set(layouts)
-    for name, losses in runs.items():
-        torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    runs = run_layouts(_example_spawn(layouts))
+    assert set(layouts) <= set(runs)
+    for name in layouts:
+        torch.testing.assert_close(runs[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _example_spawn(layouts: dict) -> dict:
+    """The configs of one 2-rank spawn: the example on ``layouts``, and with the default layouts
+    moe_tiny's aux metrics under pp (:data:`MOE_AUX_LAYOUTS`)."""
+    configs = {k: load_config(EXAMPLE, [*BASE, *v]) for k, v in layouts.items()}
+    if layouts is EXAMPLE_LAYOUTS:
+        configs.update({k: load_config("moe_tiny", [*BASE, *MOE_AUX, *v]) for k, v in MOE_AUX_LAYOUTS.items()})
+    return configs
+
+
+def test_scalar_aux_metrics_under_pp_are_one_devices():
+    """moe_tiny's ce_loss and balance_loss, made on both stages of pp2 (the balance loss by the MoE
+    layers of each), summed over the stages and averaged over the microbatches: one device's, every step."""
+    ref = _curves(load_config("moe_tiny", [*BASE, *MOE_AUX]))
+    assert {"ce_loss", "balance_loss"} <= set(ref) and bool((ref["balance_loss"] > 0).all())
+    runs = run_layout_curves(_example_spawn(EXAMPLE_LAYOUTS))
+    for name in MOE_AUX_LAYOUTS:
+        for key in ("loss", "ce_loss", "balance_loss"):
+            torch.testing.assert_close(runs[name][key], ref[key], rtol=1e-5, atol=0, msg=lambda m: f"{name} {key}: {m}")
 
 
 # ----------------------------------------------------------------------------- parallelism out of model files
