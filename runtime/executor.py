@@ -127,14 +127,14 @@ class _Rank:
             self.acts[key] = y
         for side, name in zip(st.sides, st.side_names):
             self.sides.setdefault(side, []).append(env[name].detach())
+            if side == "loss":  # the stage's part of the loss: seeded as the loss is, in its own dtype
+                env["dloss"] = self.seed_dy.to(env[name].dtype)
         _keep(env, set(st.I.inputs) | set(st.W.inputs))
         self.envs[key] = env
 
     def I(self, a: Action) -> None:  # noqa: E743 (the schedule's name for it)
         st, key = self.stages[a.stage], (a.stage, a.microbatch)
         env = self.envs[key]
-        if "loss" in st.sides:
-            env["dloss"] = self.seed_dy  # the stage's part of the loss: seeded as the loss is
         if st.is_last:
             env["dy"] = self.seed_dy
         elif self.local(a.stage + 1):
