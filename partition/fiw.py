@@ -100,13 +100,17 @@ def trace_joint(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModu
     """The stage's joint ``(*params, x, *data, dy) -> (y, dx, *dparams)`` traced over ``torch.func.vjp``.
 
     Returns the graph (functionalized: no in-place ops, so it can be cut anywhere) and the env
-    name of each placeholder. Stage 0 has no ``x`` and no ``dx``.
+    name of each placeholder. Stage 0 has no ``x`` and no ``dx``. A stage with side results
+    (``stage.sides``) returns them last, and one that computes part of the loss (side
+    ``"loss"``) takes that part's gradient seed ``dloss`` before ``dy``.
 
         joint, names = trace_joint(stage)   # names: ['param:layers.w1', ..., 'x', 'data:targets', 'dy']
     """
     n_p, has_x = len(stage.param_paths), stage.in_spec is not None
     n_d = len(stage.data_paths)
     fwd = stage.forward
+    sides = tuple(getattr(stage, "sides", ()))
+    seeded = "loss" in sides
 
     def joint(*flat):
         params = list(flat[:n_p])
@@ -116,21 +120,27 @@ def trace_joint(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModu
 
         def f(params, x):
             head = [x] if has_x else []
-            return fwd(*head, *data, *params)[0]
+            out = fwd(*head, *data, *params)
+            side = dict(zip(sides, out[1:]))
+            aux = [t.detach() for t in out[1:]]
+            return ((out[0], side["loss"]) if seeded else out[0]), aux
 
         primals = (params, x) if has_x else (params,)
-        y, vjp_fn = torch.func.vjp(f if has_x else (lambda p: f(p, None)), *primals)
-        cot = vjp_fn(dy)
+        y, vjp_fn, aux = torch.func.vjp(f if has_x else (lambda p: f(p, None)), *primals, has_aux=True)
+        cot = vjp_fn((dy, flat[-2]) if seeded else dy)
+        if seeded:
+            y = y[0]
         dparams = list(cot[0])
         dx = [cot[1]] if has_x else []
-        return [y, *dx, *dparams]
+        return [y, *dx, *dparams, *aux]
 
     specs = [stage.param_specs[p] for p in stage.param_paths]
     specs += [stage.in_spec] if has_x else []
     specs += [_data_spec(stage, p) for p in stage.data_paths]
+    specs += [_side_spec(stage)] if seeded else []
     specs += [stage.out_spec]
     names = [f"param:{p}" for p in stage.param_paths] + (["x"] if has_x else [])
-    names += [f"data:{p}" for p in stage.data_paths] + ["dy"]
+    names += [f"data:{p}" for p in stage.data_paths] + (["dloss"] if seeded else []) + ["dy"]
     fakes = _fake_inputs(specs, torch.device(device))
     if not _calls_differentiable(fwd):
         return make_fx(torch.func.functionalize(joint), tracing_mode="fake")(*fakes), names
@@ -138,6 +148,14 @@ def trace_joint(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModu
     # their forward and backward ops), then functionalize that graph.
     raw = make_fx(joint, tracing_mode="fake")(*fakes)
     return make_fx(torch.func.functionalize(raw), tracing_mode="fake")(*fakes), names
+
+
+def _side_spec(stage):
+    """The spec of the stage's part of the loss (0-d, the dtype of its ``"loss"`` side result)."""
+    from shardfn.partition.stages import TensorSpec
+
+    outs = output_nodes(stage.forward)
+    return TensorSpec.of(node_val(outs[1 + stage.sides.index("loss")]))
 
 
 def _calls_differentiable(gm: fx.GraphModule) -> bool:
@@ -162,7 +180,7 @@ def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") 
     gm, names = trace_joint(stage, device)
     outs = output_nodes(gm)
     head = 1 + (stage.in_spec is not None)
-    stack_layer_grads(gm, outs[head:])
+    stack_layer_grads(gm, outs[head:head + len(stage.param_paths)])
     if remat != "none":
         from shardfn.partition.remat import remat as rematerialize
 
@@ -182,9 +200,10 @@ class Split:
     y_name: str
     dx_name: str | None
     grad_names: tuple[str, ...]
+    side_names: tuple[str, ...] = ()
 
 
-def split_joint(gm: fx.GraphModule, names: Sequence[str], has_x: bool) -> Split:
+def split_joint(gm: fx.GraphModule, names: Sequence[str], has_x: bool, n_sides: int = 0) -> Split:
     """Cut a joint ``(*params, x, *data, dy) -> (y, dx, *dparams)`` (global, or one rank's
     partitioned program: collectives are nodes like any other) by dependency on ``dy``.
 
@@ -193,19 +212,22 @@ def split_joint(gm: fx.GraphModule, names: Sequence[str], has_x: bool) -> Split:
     the parameter gradients (everything else they need). A backward-only value that does not
     depend on ``dy`` (a weight's transpose, ``sigmoid(x)``, a parameter gathered for the
     backward) is computed in the part that needs it, not saved from F. Without ``x`` (stage 0)
-    there is no ``dx``: I is empty.
+    there is no ``dx``: I is empty. The last ``n_sides`` results are the forward's side results
+    (``Stage.sides``), which F computes; a ``dloss`` input seeds the backward like ``dy``.
 
         split = split_joint(*joint_graph(stage), has_x=stage.in_spec is not None)
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     name_of = {n: nm for n, nm in zip(placeholders, names)}
     outs = output_nodes(gm)
+    sides = outs[len(outs) - n_sides:] if n_sides else []
+    outs = outs[:len(outs) - n_sides]
     y, dx, dparams = outs[0], (outs[1] if has_x else None), list(outs[1 + has_x:])
-    dy = placeholders[-1]
+    seeds = [placeholders[-1]] + [n for n, nm in name_of.items() if nm == "dloss"]
     ph = set(placeholders)
 
-    after_dy = descendants([dy])
-    f_set = _closure({n for n in ancestors([y]) if n not in after_dy and n not in ph})
+    after_dy = descendants(seeds)
+    f_set = _closure({n for n in ancestors([y, *sides]) if n not in after_dy and n not in ph})
     i_set = {n for n in ancestors([dx] if dx is not None else []) if n not in f_set and n not in ph}
     w_set = {n for n in ancestors(dparams) if n not in f_set and n not in i_set and n not in ph}
     # Views of parameters are re-made where they are used rather than saved across parts.
@@ -217,7 +239,7 @@ def split_joint(gm: fx.GraphModule, names: Sequence[str], has_x: bool) -> Split:
         if n not in ph and n.op != "output":
             name_of.setdefault(n, n.name)
 
-    results = {"F": [y], "I": [dx] if dx is not None else [], "W": list(dparams)}
+    results = {"F": [y, *sides], "I": [dx] if dx is not None else [], "W": list(dparams)}
     sets = {"F": f_set, "I": i_set, "W": w_set}
     ins = {k: _inputs_of(gm, sets[k], results[k]) for k in sets}
     read_by = {"F": set(ins["I"]) | set(ins["W"]), "I": set(ins["W"]), "W": set()}
@@ -229,13 +251,14 @@ def split_joint(gm: fx.GraphModule, names: Sequence[str], has_x: bool) -> Split:
         return Part(sub, tuple(name_of[n] for n in ins[k]), tuple(name_of[n] for n in outputs))
 
     return Split(part("F"), part("I"), part("W"), name_of[y], name_of[dx] if dx is not None else None,
-                 tuple(name_of[n] for n in dparams))
+                 tuple(name_of[n] for n in dparams), tuple(name_of[n] for n in sides))
 
 
 def set_programs(stage, split: Split):
     """Give ``stage`` the F / I / W of ``split`` (and the names of their results)."""
     stage.F, stage.I, stage.W = split.F, split.I, split.W
     stage.y_name, stage.dx_name, stage.grad_names = split.y_name, split.dx_name, split.grad_names
+    stage.side_names = split.side_names
     return stage
 
 
@@ -249,7 +272,7 @@ def split_fiw(stage, device: torch.device | str = "cpu", remat: str = "none"):
         env["dy"] = dy; stage.I.run(env); stage.W.run(env)   # env[stage.dx_name], grads by stage.grad_names
     """
     gm, names = joint_graph(stage, device, remat)
-    return set_programs(stage, split_joint(gm, names, stage.in_spec is not None))
+    return set_programs(stage, split_joint(gm, names, stage.in_spec is not None, len(stage.sides)))
 
 
 def _param_views(gm: fx.GraphModule, params: set[fx.Node]) -> set[fx.Node]:

@@ -206,25 +206,28 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
         elif kind == "data":
             in_pl.append(layout.data[path])
             stored.append(False)
-        else:  # x, or dy: the loss's seed on the last stage, else the next stage's input gradient
-            in_pl.append(layout.loss if (name == "dy" and stage.is_last) else layout.activation)
+        else:  # x, or dy: the loss's seed on the last stage, else the next stage's input gradient;
+            # dloss: the seed of the stage's part of the loss (replicated, as the loss)
+            in_pl.append(layout.loss if ((name == "dy" and stage.is_last) or name == "dloss") else layout.activation)
             stored.append(False)
     has_x = stage.in_spec is not None
     out_pl = [layout.loss if stage.is_last else layout.activation] + ([layout.activation] if has_x else [])
-    out_pl += [None] * (len(out_meta) - len(out_pl))  # gradients: as propagation leaves them
+    n_sides = len(stage.sides)
+    out_pl += [None] * (len(out_meta) - len(out_pl) - n_sides)  # gradients: as propagation leaves them
+    out_pl += [layout.loss] * n_sides  # the side results: replicated, as the loss
     traced = Traced(gm, None, None, list(names), in_meta, out_meta)
     with mesh_scope(mesh):
         joint = lower(traced, mesh, in_pl, out_pl, stored=stored, fsdp_axes=fsdp_axes,
                       sequence_parallel=sequence_parallel)
     head = 1 + has_x
-    grads = dict(zip(stage.param_paths, joint.out_placements[head:]))
+    grads = dict(zip(stage.param_paths, joint.out_placements[head:head + len(stage.param_paths)]))
     layout = dataclasses.replace(layout, grads=grads)
     local = dataclasses.replace(
         stage,
         in_spec=_local_spec(stage.in_spec, mesh, layout.activation) if has_x else None,
         out_spec=_local_spec(stage.out_spec, mesh, layout.loss if stage.is_last else layout.activation),
     )
-    set_programs(local, split_joint(joint.graph_module, names, has_x))
+    set_programs(local, split_joint(joint.graph_module, names, has_x, n_sides))
     gathered = tuple(p for p in stage.param_paths if layout.use[p] != layout.stored[p])
     gather = None
     if gathered:

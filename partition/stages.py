@@ -90,6 +90,9 @@ class Stage:
             parameters it holds.
         F, I, W: the split joint (``partition.fiw.split_fiw``); ``y_name``, ``dx_name`` and
             ``grad_names`` (aligned with ``param_paths``) name their results in the value env.
+        sides: the forward's 0-d results after ``y`` (:func:`stage_sums`): ``"loss"``, this
+            stage's part of the loss (its gradient seeded like the loss's: ``dloss``), and
+            ``"aux:<key>"``, its part of an aux value; ``side_names`` name them in F's env.
     """
 
     index: int
@@ -109,6 +112,8 @@ class Stage:
     y_name: str = "y"
     dx_name: str | None = None
     grad_names: tuple[str, ...] = ()
+    sides: tuple[str, ...] = ()
+    side_names: tuple[str, ...] = ()
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -156,6 +161,7 @@ class Pipeline:
     valid_cuts: int
     graph_module: fx.GraphModule | None = field(default=None, repr=False)
     regions: tuple = field(default=(), repr=False)   # the sf.local_map regions the programs call
+    aux_keys: tuple[str, ...] = ()   # the loss's 0-d aux values, which the stages compute in parts
 
     @property
     def n_stages(self) -> int:
@@ -199,6 +205,17 @@ class TracedLoss:
     param_specs: dict[str, TensorSpec]
     microbatch: dict[str, TensorSpec]
     regions: tuple = ()              # the sf.local_map regions the graph calls (kept alive with it)
+    aux: dict = field(default_factory=dict)  # name -> node of each 0-d floating-point aux value
+
+    @property
+    def roots(self) -> list[fx.Node]:
+        """What the stages compute: the additive terms of the loss and of each aux value
+        (:func:`additive_terms`), so a per-layer term summed at the end is no value that crosses
+        a cut."""
+        out = list(additive_terms(self.loss)[0])
+        for node in self.aux.values():
+            out += additive_terms(node)[0]
+        return list(dict.fromkeys(out))
 
 
 def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
@@ -214,12 +231,20 @@ def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
         raise PipelineError(f"the batch needs exactly one leaf named {STREAM_SUFFIX!r} (the token ids that enter "
                             f"stage 0); its leaves are {[p for p, _ in b_items]}")
 
+    aux_names: list[str] = []
+
     def checked(p, b):
         out = loss_fn(p, b)
+        aux = {}
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
+            out, aux = out
         if not isinstance(out, torch.Tensor) or out.ndim != 0:
             raise PipelineError(f"the pipelined loss must return one 0-d tensor, got {type(out).__name__}"
                                 f"{'' if not isinstance(out, torch.Tensor) else ' of shape ' + str(tuple(out.shape))}")
-        return out
+        scalars = {k: v for k, v in aux.items() if isinstance(v, torch.Tensor) and v.ndim == 0
+                   and v.is_floating_point()}
+        aux_names[:] = list(scalars)
+        return [out, *scalars.values()]
 
     traced = trace(checked, (params, batch))
     placeholders = [n for n in traced.graph_module.graph.nodes if n.op == "placeholder"]
@@ -227,13 +252,55 @@ def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
     for path, node, meta in zip(traced.in_paths, placeholders, traced.in_meta):
         arg, _, leaf = path.partition(".")
         (param_nodes if arg == "0" else data_nodes)[leaf] = node
-    (loss,) = output_nodes(traced.graph_module)
+    loss, *aux = output_nodes(traced.graph_module)
     specs = {p: TensorSpec.of(m) for p, m in zip(traced.in_paths, traced.in_meta)}
     return TracedLoss(
         traced.graph_module, param_nodes, data_nodes, data_nodes[streams[0]], loss,
         optree.tree_structure(params, none_is_leaf=False),
         {p: specs[f"0.{p}"] for p in param_nodes}, {p: specs[f"1.{p}"] for p in data_nodes}, traced.regions,
+        dict(zip(aux_names, aux)),
     )
+
+
+_ADD = torch.ops.aten.add.Tensor
+_SUM = torch.ops.aten.sum.default
+_STACK = torch.ops.aten.stack.default
+
+
+def _scalar(node) -> bool:
+    value = node_val(node) if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()
+
+
+def additive_terms(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """``(terms, sums)``: the 0-d values whose sum is ``node`` -- through ``a + b`` of 0-d values and
+    ``stack([...]).sum()`` of them, as a loss adds per-layer auxiliary losses -- and the nodes that
+    add them up. A node that is no such sum is its own only term.
+
+    Example:
+        additive_terms(loss)   # ([ce, balance_0, balance_1], [stack, sum, add]) for ce + stack(b).sum()
+    """
+    terms: list[fx.Node] = []
+    sums: list[fx.Node] = []
+
+    def walk(n):
+        if n.op == "call_function" and _scalar(n):
+            if n.target is _ADD and len(n.args) == 2 and not n.kwargs and all(_scalar(a) for a in n.args):
+                sums.append(n)
+                for a in n.args:
+                    walk(a)
+                return
+            src = n.args[0] if n.target is _SUM and len(n.args) == 1 and not n.kwargs else None
+            if isinstance(src, fx.Node) and src.target is _STACK and len(src.args) == 1 \
+                    and all(_scalar(a) for a in src.args[0]):
+                sums.extend([n, src])
+                for a in src.args[0]:
+                    walk(a)
+                return
+        terms.append(n)
+
+    walk(node)
+    return list(dict.fromkeys(terms)), sums
 
 
 # ----------------------------------------------------------------------------- cut points
@@ -249,7 +316,7 @@ class CutPoint:
 
 def activation_order(traced: TracedLoss) -> list[fx.Node]:
     """The activations (non-placeholder nodes depending on the token ids that the loss needs), in graph order."""
-    live = ancestors([traced.loss])
+    live = ancestors(traced.roots)
     deps = descendants([traced.stream])
     return [n for n in traced.graph_module.graph.nodes if n.op == "call_function" and n in deps and n in live]
 
@@ -267,8 +334,9 @@ def valid_cuts(order: list[fx.Node]) -> list[CutPoint]:
     delta = [0] * (n + 2)
     delta_sum = [0] * (n + 2)
     for i, node in enumerate(order):
-        # users outside the order are the output (position n) or dead code (ignored)
-        last = max((index[u] if u in index else n if u.op == "output" else i for u in node.users), default=i)
+        # users outside the order (the output, the sums of additive terms, dead code) end nothing:
+        # the loss is the order's last node, and each stage adds up the terms it computes
+        last = max((index[u] if u in index else i for u in node.users), default=i)
         if last > i:  # live on positions i+1 .. last
             delta[i + 1] += 1
             delta[last + 1] -= 1
@@ -479,8 +547,9 @@ def imbalance(traced: TracedLoss, order: list[fx.Node], cuts: list[CutPoint], ch
               bytes_weight: float = 1.0) -> str | None:
     """Why the stages ``chosen`` cannot share the cost within :data:`IMBALANCE_TOLERANCE` of
     even, when the reason is layer boundaries that are no valid cut: each stage's share and the
-    values that cross such a boundary (a per-layer value kept to the end, such as an auxiliary
-    loss summed after the last layer, keeps a second value alive at every boundary). None when
+    values that cross such a boundary (a per-layer value kept to the end and combined other than
+    by a sum keeps a second value alive at every boundary; per-layer terms of a sum do not,
+    :func:`stage_sums`). None when
     the split is even enough, or when whole layers cannot share the cost more evenly.
 
     Example:
@@ -506,7 +575,7 @@ def imbalance(traced: TracedLoss, order: list[fx.Node], cuts: list[CutPoint], ch
     if not blocked:  # whole layers cannot share it more evenly: nothing to explain
         return None
     index = {n: i for i, n in enumerate(order)}
-    last = [max((index.get(u, len(order) if u.op == "output" else i) for u in n.users), default=i)
+    last = [max((index.get(u, i) for u in n.users), default=i)
             for i, n in enumerate(order)]
     layer, k = blocked[len(blocked) // 2]
     crossing = [order[i] for i in range(k) if last[i] >= k]
@@ -515,7 +584,8 @@ def imbalance(traced: TracedLoss, order: list[fx.Node], cuts: list[CutPoint], ch
     shares = " / ".join(f"{100 * c / total:.0f}%" for c in stage)
     why = (f"{len(blocked)} of {len(sequence) - 1} layer boundaries are no valid cut (one activation crossing): "
            f"before layer {layer[0]}.{layer[1]}, {len(crossing)} values cross: {names}. A value each layer makes "
-           f"that the loss reads only at the end (an auxiliary loss summed after the last layer) does this")
+           f"that the loss reads only at the end does this, unless the loss adds it up (a per-layer auxiliary "
+           f"loss summed after the last layer: each stage adds up its own)")
     return f"pipeline stages hold {shares} of the cost, more than {IMBALANCE_TOLERANCE:.0%} off even: {why}"
 
 
@@ -547,11 +617,76 @@ def split_stages(traced: TracedLoss, n_stages: int | None, *,
     bounds = [0] + [c.position for c in chosen] + [len(order)]
     acts = set(order)
     segments = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    outs = [c.value for c in chosen] + [traced.loss]
-    plans = [_plan_stage(s, seg, outs[s], outs[s - 1] if s else None, acts, traced) for s, seg in enumerate(segments)]
+    outs, sides, extra = stage_sums(traced, segments, [c.value for c in chosen])
+    plans = [_plan_stage(s, seg + extra[s], outs[s], outs[s - 1] if s else None, acts, traced, sides[s])
+             for s, seg in enumerate(segments)]
     ranges = _layer_ranges(plans, traced)
     stages = [_build_stage(plan, ranges, traced, is_last=(s == len(plans) - 1)) for s, plan in enumerate(plans)]
     return stages, chosen, len(cuts)
+
+
+def stage_sums(traced: TracedLoss, segments: list[list[fx.Node]], cut_values: list[fx.Node]):
+    """What each stage returns: ``(outs, sides, extra)``. ``outs[s]`` is the value stage ``s``
+    sends on (the last stage's: its part of the loss); ``sides[s]`` its 0-d side results
+    ``(name, node)``: ``"loss"``, its part of the loss on a stage before the last (per-layer
+    auxiliary losses), and ``"aux:<key>"``, its part of each aux value; ``extra[s]`` the nodes
+    that add those parts up, which the stage computes besides its segment. Each part is the sum of
+    the :func:`additive_terms` the stage computes (a term that reads no activation goes to the
+    last stage); a value whose terms are all one stage's is that stage's as traced.
+
+    Example:
+        outs, sides, extra = stage_sums(traced, segments, [c.value for c in chosen])
+        sides[0]   # [("loss", add_3), ("aux:balance_loss", add_3)]
+    """
+    last = len(segments) - 1
+    stage_of = {n: s for s, seg in enumerate(segments) for n in seg}
+    outs: list = list(cut_values) + [None]
+    sides: list[list] = [[] for _ in segments]
+    extra: list[list] = [[] for _ in segments]
+    graph = traced.graph_module.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    for name, node in [("loss", traced.loss)] + [(f"aux:{k}", v) for k, v in traced.aux.items()]:
+        terms, sums = additive_terms(node)
+        by_stage: dict[int, list] = {}
+        for t in terms:
+            by_stage.setdefault(stage_of.get(t, last), []).append(t)
+        if name == "loss" and last not in by_stage:
+            by_stage[last] = []
+        if len(by_stage) == 1:
+            (s,) = by_stage
+            parts = {s: node}
+            extra[s] += [n for n in sums if n not in extra[s]]
+        else:
+            parts = {}
+            for s, ts in sorted(by_stage.items()):
+                parts[s], made = _add_up(graph, ts, output, like=node)
+                extra[s] += made
+        for s, part in parts.items():
+            if name == "loss" and s == last:
+                outs[s] = part
+            else:
+                sides[s].append((name, part))
+    return outs, sides, extra
+
+
+def _add_up(graph: fx.Graph, terms: list[fx.Node], before: fx.Node, like: fx.Node) -> tuple[fx.Node, list]:
+    """The sum of ``terms`` (0-d) as new nodes placed before ``before``; a stage with no term gets
+    a zero like ``like``."""
+    val = node_val(like)
+    made = []
+    if not terms:
+        with graph.inserting_before(before):
+            zero = graph.call_function(torch.ops.aten.zeros.default, ([],),
+                                       {"dtype": val.dtype, "device": val.device})
+        zero.meta["val"] = val
+        return zero, [zero]
+    acc = terms[0]
+    for t in terms[1:]:
+        with graph.inserting_before(before):
+            acc = graph.call_function(_ADD, (acc, t))
+        acc.meta["val"] = val
+        made.append(acc)
+    return acc, made
 
 
 @dataclass
@@ -563,9 +698,10 @@ class _Plan:
     params: list          # param placeholders used
     data: list            # data placeholders used
     uses: dict            # param placeholder -> set of select indices, or None when used whole
+    sides: list = field(default_factory=list)  # (name, node) of its 0-d side results (stage_sums)
 
 
-def _plan_stage(index, segment, out, x, acts, traced) -> _Plan:
+def _plan_stage(index, segment, out, x, acts, traced, sides=()) -> _Plan:
     seg = set(segment)
     free: set[fx.Node] = set()
     stack = [a for n in segment for a in n.all_input_nodes]
@@ -589,7 +725,7 @@ def _plan_stage(index, segment, out, x, acts, traced) -> _Plan:
             uses[p] = {u.args[2] % size for u in users}
         else:
             uses[p] = None
-    return _Plan(index, nodes, x, out, params, data, uses)
+    return _Plan(index, nodes, x, out, params, data, uses, list(sides))
 
 
 def _path_of(traced: TracedLoss) -> dict[fx.Node, str]:
@@ -636,7 +772,8 @@ def _build_stage(plan: _Plan, ranges, traced: TracedLoss, *, is_last: bool) -> S
     names = (
         (["x"] if plan.x is not None else []) + [f"data:{p}" for p in data_paths] + [f"param:{p}" for p in param_paths]
     )
-    gm = extract_subgraph(traced.graph_module, plan.nodes, inputs, [plan.out], input_names=names)
+    gm = extract_subgraph(traced.graph_module, plan.nodes, inputs, [plan.out] + [n for _, n in plan.sides],
+                          input_names=names)
     layer_ranges = {path: ranges[(plan.index, path)] for path in param_paths if (plan.index, path) in ranges}
     specs = {}
     placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -664,6 +801,7 @@ def _build_stage(plan: _Plan, ranges, traced: TracedLoss, *, is_last: bool) -> S
         out_spec=TensorSpec.of(node_val(plan.out)), is_last=is_last,
         flops=sum(node_flops(n) for n in plan.nodes),
         param_bytes=sum(s.nbytes for s in specs.values()),
+        sides=tuple(name for name, _ in plan.sides),
     )
     return stage
 
@@ -676,7 +814,9 @@ def build_pipeline(loss_fn: Callable, params: Any, microbatch: Any, n_stages: in
     """Split ``loss_fn(params, batch)`` into ``n_stages`` pipeline stages with F / I / W programs.
 
     Args:
-        loss_fn: ``(params, batch) -> 0-d loss``, a mean over the microbatch's tokens.
+        loss_fn: ``(params, batch) -> 0-d loss``, a mean over the microbatch's tokens, or
+            ``-> (loss, aux)``: each 0-d floating-point value of ``aux`` is computed by the stages
+            that compute its terms (``Stage.sides``, :attr:`Pipeline.aux_keys`).
         params: the parameter tree (real or fake tensors: only shapes and dtypes are read).
         microbatch: ONE microbatch of the batch (``{"inputs": [b, S], "targets": [b, S]}``).
         n_stages: number of stages; None: one per ``sf.pipeline_split`` marker + 1 (1 without).
@@ -705,7 +845,7 @@ def build_pipeline(loss_fn: Callable, params: Any, microbatch: Any, n_stages: in
         raise PipelineError(f"parameters {unused} are not used by the loss; the pipeline holds each parameter in "
                             f"the stage that uses it, so drop them from the tree (or use them)")
     return Pipeline(stages, dict(traced.param_specs), traced.param_treedef, owner, dict(traced.microbatch),
-                    [c.value.name for c in cuts], n_valid, traced.graph_module, traced.regions)
+                    [c.value.name for c in cuts], n_valid, traced.graph_module, traced.regions, tuple(traced.aux))
 
 
 # ----------------------------------------------------------------------------- params per stage

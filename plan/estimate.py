@@ -324,8 +324,8 @@ def _trace_detail(plan: Plan, run: Resolved, cfg, *, full_trace, profiles, progr
     if not prof.full:
         plan.notes.append("traced detail: embedding, final norm, output head and loss are charged to the last stage")
     if layout.n_stages > 1 and layer_costs(cfg.model_name, mcfg, rows, cfg.train.seq_len, dtype) is None:
-        plan.notes.append("stages split by layer count: the loss has no cut between layers (each layer's auxiliary "
-                          "balance loss reaches the final loss), so the pipeline runtime cannot split it yet")
+        plan.notes.append("stages split by layer count: the loss has no cut between layers (a value each layer "
+                          "makes reaches the final loss other than as a term of a sum)")
     if layout.pp > 1:
         plan.notes.append("bytes and collectives per rank from the lowered stage programs" if pipeline is not None
                           else "pipeline collectives from per-layer traces of the stage mesh; gradient sums held "

@@ -67,6 +67,9 @@ def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
     elif cfg.train.compile == "whole":
         fn = torch.compile(fn)
     elif cfg.train.compile:  # one layer compiled once and run by every layer (core/regional.py)
+        from shardfn.core.layer_search import mark_found_layers
+
+        mark_found_layers(model, cfg.model)  # a model that marks none: the function its loss calls per layer
         fn = with_compiled_layers(fn)
 
     def place(params_or_source):

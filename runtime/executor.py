@@ -44,7 +44,9 @@ class RunResult:
     """What :func:`run_schedule` returns for this rank.
 
     Attributes:
-        loss: mean of the last stage's microbatch losses (None when this rank lacks that stage).
+        loss: mean of the last stage's microbatch losses, plus the parts of the loss this rank's
+            other stages compute (per-layer auxiliary losses; None when the rank has neither):
+            their sum over the pp ranks is the loss.
         grads: ``stage -> {path: gradient}`` for this rank's stages, summed over microbatches
             with each loss scaled by ``1 / n_microbatches`` (the gradient of the mean loss).
         events: one dict per step (``name``, ``kind``, ``stage``, ``mb``, ``start_ns``,
@@ -54,6 +56,8 @@ class RunResult:
             saved tensors and pending messages; parameters excluded).
         turns: ``(F cell, B cell, turn log)`` per overlapped pair run (``overlap_pairs=True``);
             the log is :func:`~shardfn.runtime.interleave.run_pair`'s ``(member, event, ns)``.
+        aux: ``key -> `` this rank's part of each 0-d aux value, averaged over the microbatches
+            (their sum over the pp ranks is the value).
     """
 
     loss: torch.Tensor | None
@@ -61,6 +65,7 @@ class RunResult:
     events: list[dict] = field(default_factory=list)
     peak_saved_bytes: int = 0
     turns: list[tuple[str, str, list]] = field(default_factory=list)
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def check_fit(pipe: Pipeline, schedule: Schedule) -> None:
@@ -102,6 +107,7 @@ class _Rank:
         self.pending_sends: list = []  # (work, tensor) of sends posted but not known to be done
         self.grads: dict[int, dict[str, torch.Tensor]] = {s: {} for s in schedule.stages_of(pp_rank)}
         self.losses: list[torch.Tensor] = []
+        self.sides: dict[str, list[torch.Tensor]] = {}  # side name -> each microbatch's value (Stage.sides)
         self.param_ptrs = {t.untyped_storage().data_ptr() for p in params.values() for t in p.values()}
 
     def local(self, stage: int) -> bool:
@@ -119,6 +125,10 @@ class _Rank:
             self.losses.append(y.detach())
         else:
             self.acts[key] = y
+        for side, name in zip(st.sides, st.side_names):
+            self.sides.setdefault(side, []).append(env[name].detach())
+            if side == "loss":  # the stage's part of the loss: seeded as the loss is, in its own dtype
+                env["dloss"] = self.seed_dy.to(env[name].dtype)
         _keep(env, set(st.I.inputs) | set(st.W.inputs))
         self.envs[key] = env
 
@@ -220,7 +230,13 @@ class _Rank:
         if self.envs:
             raise RuntimeError(f"rank {self.rank}: the schedule left (stage, microbatch) {sorted(self.envs)} "
                                f"without a W or B")
-        return torch.stack(self.losses).sum() / self.m if self.losses else None
+        parts = self.losses + self.sides.get("loss", [])
+        return torch.stack(parts).sum() / self.m if parts else None
+
+    def side_means(self) -> dict[str, torch.Tensor]:
+        """``aux:<key>`` side results of this rank's stages, each summed over its stages and
+        averaged over the microbatches (a stage's part of an aux value, ``partition.stages.stage_sums``)."""
+        return {name[4:]: torch.stack(v).sum() / self.m for name, v in self.sides.items() if name.startswith("aux:")}
 
     def live(self) -> list:
         """Every tensor the rank holds for later actions now (a snapshot: its envs' values, the
@@ -381,7 +397,7 @@ def run_schedule(
             if record:
                 peak = max(peak, rank.held_bytes())
     loss = rank.finish()
-    return RunResult(loss, rank.grads, events, peak, turns)
+    return RunResult(loss, rank.grads, events, peak, turns, rank.side_means())
 
 
 # ----------------------------------------------------------------------------- batches

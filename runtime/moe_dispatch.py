@@ -463,3 +463,47 @@ def data_parallel_region(data_axes: tuple[str, ...], routed_fn):
     tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
     return local_map(routed_fn, in_specs=(tokens, tokens, tokens, P(), P(), P()), out_specs=tokens,
                      flops=_region_flops)
+
+
+# --- the exchanges a lowered program will run, before it runs ------------------------------
+
+EXCHANGES_PER_LAYER = 4
+"""Token all-to-alls of one MoE layer call per chunk and step: dispatch and combine forward, and
+their cotangents backward."""
+
+
+def planned_rows(gm: torch.fx.GraphModule, mesh) -> list[dict]:
+    """The all-to-alls a lowered per-rank program's MoE layers will run, per step, as comm-report
+    rows (the runtime runs them, so the program's own collectives leave them out): for each
+    exchange axis, ``{op: "all_to_all", axis, what: "moe tokens", bytes, count}`` -- four token
+    exchanges a layer and chunk, each moving the ``(n-1)/n`` of the rank's ``T * top_k``
+    assignment rows that leave it when routing is uniform and nothing is dropped -- and
+    ``{..., what: "moe counts", ...}``, the tokens per expert exchanged once a layer and chunk
+    (``E / n`` int64 to each other rank, exactly). Token bytes are an estimate: the real ones
+    depend on routing, and appear in ``comm_report`` after a step has run.
+
+        planned_rows(lowered.graph_module, lowered.mesh)
+        # [{"op": "all_to_all", "axis": "ep", "what": "moe tokens", "bytes": 1048576, "count": 8}, ...]
+    """
+    rows: dict[tuple[str, str], dict] = {}
+
+    def add(axis, what, nbytes, count):
+        row = rows.setdefault((axis, what), {"op": "all_to_all", "axis": axis, "what": what, "bytes": 0, "count": 0})
+        row["bytes"] += nbytes
+        row["count"] += count
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.shardfn.ep_experts.default:
+            continue
+        x, idx = (a.meta["val"] for a in node.args[:2])
+        group_name, n_experts = node.args[9], node.args[10]
+        chunks = node.args[13] if len(node.args) > 13 else node.kwargs.get("chunks", 1)
+        axis = mesh.axis_of_group(group_name)
+        n = mesh.axes[axis]
+        (T, D), k = x.shape, idx.shape[1]
+        n_chunks = len(_chunk_rows(T, chunks))
+        off_rank_rows = T * k * (n - 1) // n
+        add(axis, "moe tokens", EXCHANGES_PER_LAYER * off_rank_rows * D * x.element_size(),
+            EXCHANGES_PER_LAYER * n_chunks)
+        add(axis, "moe counts", n_chunks * (n_experts // n) * (n - 1) * 8, n_chunks)
+    return list(rows.values())

@@ -191,7 +191,7 @@ def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = Non
 def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None, *,
                capacity_factor: float = 0.0) -> Callable:
     """``loss_fn(params, batch)`` for :func:`~shardfn.partition.stages.build_pipeline`: the
-    model's loss with its MoE layers counted into ``recorder`` and run as the stage's ``mesh``
+    model's ``(loss, aux)`` with its MoE layers counted into ``recorder`` and run as the stage's ``mesh``
     runs them (an expert-parallel exchange with ``mesh.ep > 1``); ``batch`` is the batch spec
     on that mesh. Without a mesh (or on one device) everything runs in the stage's programs.
     ``capacity_factor``: ``partition.capacity_factor`` (:func:`~shardfn.runtime.partitioned.expert_region`).
@@ -201,7 +201,7 @@ def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None, *,
     model = models.get(model)
     layout = expert_layout(model, model_cfg)
     if layout is None:
-        return lambda params, batch: model.loss(params, batch, model_cfg)
+        return lambda params, batch: model.loss_and_aux(params, batch, model_cfg)
     experts, tokens = None, None
     if mesh is not None and mesh.size > 1:
         from shardfn.runtime.partitioned import expert_region
@@ -210,7 +210,7 @@ def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None, *,
         tokens = batch
 
     def loss_fn(params, microbatch):
-        return model.loss(params, microbatch, model_cfg,
-                          experts=routed_fn(layout.n_experts, recorder, experts, tokens))
+        return model.loss_and_aux(params, microbatch, model_cfg,
+                                  experts=routed_fn(layout.n_experts, recorder, experts, tokens))
 
     return loss_fn

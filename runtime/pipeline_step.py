@@ -54,6 +54,9 @@ from shardfn.runtime.rank_layout import RankLayout, nest, stage_key
 from shardfn.runtime.step import Step
 from shardfn.runtime.train_step import keep_finite, make_optimizer, precision_policy, step_metrics
 
+_STEP_METRICS = ("loss", "grad_norm", "lr")
+"""What ``step_metrics`` reports; an aux value of the same name is not reported over it."""
+
 OptimizerFactory = Callable[[Callable[[PyTree], torch.Tensor]], optim.GradientTransformation]
 """``norm -> optimizer``: the pipeline step hands in the norm over all stages for clipping."""
 
@@ -152,6 +155,11 @@ class PipelineStep:
         loss = out.loss.detach().clone() if out.loss is not None else torch.zeros((), device=self._device(held))
         loss = self._all_reduce(loss, "pp")  # the last stage's ranks hold it; the others add zeros
         metrics = step_metrics(loss, grads, new_state, norm=self.grad_norm)
+        for key in self.pipe.aux_keys:  # each rank's stages hold their parts of it; the others add zeros
+            if key not in _STEP_METRICS:
+                part = out.aux.get(key)
+                part = part.detach().clone() if part is not None else torch.zeros((), device=self._device(held))
+                metrics[key] = self._all_reduce(part.to(torch.float32), "pp")
         if self.model is not None and self.recorder is not None:
             new_params, aux = self._aux_update(new_params, self.recorder.counts, held)
             metrics.update(self.model.aux_metrics(aux))
@@ -331,6 +339,8 @@ class PipelineStep:
         if pp:
             out.append(("all_reduce", "pp", _itemsize(self.pipe.stages[-1].out_spec.dtype)))  # the loss
         out += [("all_reduce", a, 4) for a in self._mesh_axes()] + ([("all_reduce", "pp", 4)] if pp else [])
+        if pp:  # the aux values' parts
+            out += [("all_reduce", "pp", 4) for key in self.pipe.aux_keys if key not in _STEP_METRICS]
         if self.model is not None and self.recorder is not None:
             n = self.experts.n_layers * self.experts.n_experts * 8
             out += [("all_reduce", a, n) for a in self.batch_axes] + ([("all_reduce", "pp", n)] if pp else [])

@@ -197,10 +197,11 @@ def first_step_work(cfg) -> str | None:
         return None
     if cfg.train.compile == "whole" or cfg.train.remat != "none":
         return "compiling the whole step (train.compile)"
-    if not models.get(cfg.model_name).compiled_layer_fns():
-        return (f"compiling no model layer: model {cfg.model_name!r} marks no function with "
-                f"shardfn.core.regional.repeated, so only the optimizer update runs compiled; mark its layer "
-                f"function @repeated, or set train.compile=whole (train.compile)")
+    model = models.get(cfg.model_name)
+    if not model.compiled_layer_fns():
+        from shardfn.core.layer_search import unmarked_layers_line
+
+        return unmarked_layers_line(model, cfg.model)
     return "compiling one layer, which every layer then runs (train.compile)"
 
 

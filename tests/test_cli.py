@@ -145,3 +145,26 @@ def test_plan_memory_line_names_the_budget(capsys):
     assert "(h200 memory): fits" in capsys.readouterr().out
 
 
+
+
+def test_inspect_under_ep_lists_the_moe_all_to_alls(capsys):
+    """The runtime's exchanges, derived here from moe_tiny's shapes: each rank holds batch * seq / ep
+    tokens, top_k rows each; uniform routing sends (ep-1)/ep of them away, dim fp32 values a row,
+    four times a MoE layer (dispatch, combine, and both backward); and the tokens per expert, E/ep
+    int64 to the other rank, once a layer."""
+    from shardfn.config import load_config
+
+    overrides = ["mesh.ep=2", "train.seq_len=32"]
+    cfg = load_config("moe_tiny", overrides)
+    m, ep = cfg.model, 2
+    n_moe = m.n_layers - m.first_k_dense
+    tokens = cfg.train.batch_size * cfg.train.seq_len // ep
+    token_bytes = 4 * n_moe * (tokens * m.top_k * (ep - 1) // ep) * m.dim * 4
+    count_bytes = n_moe * (m.n_experts // ep) * (ep - 1) * 8
+    assert cli.main(["inspect", "--config", "moe_tiny", *overrides, "--json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out)["comm"] if r["op"] == "all_to_all"]
+    assert rows == [
+        {"op": "all_to_all", "axis": "ep", "what": "moe tokens", "bytes": token_bytes, "count": 4 * n_moe},
+        {"op": "all_to_all", "axis": "ep", "what": "moe counts", "bytes": count_bytes, "count": n_moe},
+    ]
+    assert token_bytes == 262_144 and count_bytes == 64

@@ -29,30 +29,42 @@ EXAMPLE_LAYOUTS = {"ep2": ["mesh.ep=2"], "tp2": ["mesh.tp=2"], "cp2": ["mesh.cp=
 (``EXAMPLE_DATA_LAYOUTS``, covered for the dense model) run with ``-m slow``."""
 EXAMPLE_DATA_LAYOUTS = {"dp2": ["mesh.dp=2"], "fsdp2": ["mesh.fsdp=2"]}
 DENSE_LAYOUTS = {"dp2": ["mesh.dp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]}
+MOE_AUX = ["model.aux_loss_alpha=0.01", "model.n_layers=4"]
+"""moe_tiny with a balance loss and 4 layers (pp2 puts MoE layers on both stages): its aux values
+(``ce_loss``, ``balance_loss``) are metrics."""
+MOE_AUX_LAYOUTS = {"moe_tiny pp2": ["mesh.pp=2", "pipeline.microbatches=2"]}
+"""What the example's default spawn also trains: moe_tiny's aux metrics under pp."""
 
 
 def dense_config(*overrides, name=DENSE):
     return config_from_dict({"model": {"name": name}}, [*BASE, *overrides])
 
 
-def _losses(cfg) -> torch.Tensor:
+def _curves(cfg) -> dict[str, torch.Tensor]:
+    """Each metric the run reports every step (loss, grad_norm, lr, aux values), by step."""
     from shardfn.runtime.train import train
 
-    return torch.tensor([r["loss"] for r in train(cfg, log=lambda line: None).history], dtype=torch.float64)
+    history = train(cfg, log=lambda line: None).history
+    keys = [k for k in history[0] if k not in ("step", "tokens_per_s", "time_s") and all(k in r for r in history)]
+    return {k: torch.tensor([r[k] for r in history], dtype=torch.float64) for k in keys}
+
+
+def _losses(cfg) -> torch.Tensor:
+    return _curves(cfg)["loss"]
 
 
 def layouts_worker(cfg_dicts: list) -> list:
-    """Each run config trained in turn on this rank's process group: its losses."""
+    """Each run config trained in turn on this rank's process group: its metrics by step."""
     from shardfn.config import config_from_dict
 
-    return [_losses(config_from_dict(d)) for d in cfg_dicts]
+    return [_curves(config_from_dict(d)) for d in cfg_dicts]
 
 
 _RUNS: dict = {}
 
 
-def run_layouts(configs: dict) -> dict:
-    """``layouts_worker`` on 2 gloo ranks, once per session for each set of layouts; rank 0's losses."""
+def run_layout_curves(configs: dict) -> dict:
+    """``layouts_worker`` on 2 gloo ranks, once per session for each set of layouts; rank 0's metrics."""
     from shardfn.runtime.launch import spawn
 
     key = tuple(configs)
@@ -60,6 +72,11 @@ def run_layouts(configs: dict) -> dict:
         out = spawn(layouts_worker, 2, args=([c.to_dict() for c in configs.values()],), timeout_s=600)
         _RUNS[key] = dict(zip(configs, out[0]))
     return _RUNS[key]
+
+
+def run_layouts(configs: dict) -> dict:
+    """:func:`run_layout_curves`' losses."""
+    return {name: curves["loss"] for name, curves in run_layout_curves(configs).items()}
 
 
 # ----------------------------------------------------------------------------- the open door
@@ -160,6 +177,66 @@ def test_train_compile_says_when_it_compiles_no_model_layer():
         "compiling one layer, which every layer then runs (train.compile)")
 
 
+def _unmarked_example(tmp_path) -> str:
+    """The example model with its layer function's @repeated mark taken off, as a file of its own."""
+    source = (ROOT / "examples" / "models" / "qwen_moe.py").read_text()
+    assert source.count("@repeated\n") == 1
+    path = tmp_path / "qwen_moe_unmarked.py"
+    path.write_text(source.replace("@repeated\n", ""))
+    return str(path)
+
+
+def test_train_compile_finds_the_layer_function_of_an_unmarked_model(tmp_path, monkeypatch):
+    """The unmarked example's ``block`` is the function its loss calls once per layer; train.compile
+    names it, marks it, and the step compiles it once: loss and gradients as eager (fp32)."""
+    from shardfn.core import regional
+    from shardfn.core.layer_search import find_layer_fns, mark_found_layers
+    from shardfn.core.transforms import value_and_grad
+    from shardfn.runtime.train import first_step_work
+
+    name = _unmarked_example(tmp_path)
+    model = models.get(name)
+    cfg = model.Config(n_layers=3)
+    assert model.compiled_layer_fns() == [] and list(find_layer_fns(model, cfg)) == ["block"]
+    line = first_step_work(config_from_dict({"model": {"name": name}}, [*BASE, "train.compile=true"]))
+    assert line == ("compiling one layer, which every layer then runs (train.compile): block, found unmarked as the "
+                    "function the loss calls once per layer of params['layers'] (2 layers)")
+    params = model.init(cfg, 0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"inputs": tokens, "targets": tokens.roll(-1, 1)}
+    grad_fn = value_and_grad(lambda p: model.loss(p, batch, cfg))
+    eager_loss, eager_grads = grad_fn(params)
+
+    compiled = []
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real_compile(fn, **kw))
+    assert list(mark_found_layers(model, cfg)) == ["block"] and model.compiled_layer_fns() == [model.block]
+    with regional.compiled_layers(backend="aot_eager"):
+        loss, grads = grad_fn(params)
+    assert [f.__name__ for f in compiled] == ["block"]  # one compilation, which all 3 layers ran
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(grads, eager_grads, rtol=1e-5, atol=1e-7)
+
+
+def test_train_compile_on_inline_layers_says_what_to_write():
+    from shardfn.runtime.train import first_step_work
+
+    assert first_step_work(dense_config("train.compile=true")) == (
+        f"compiling no model layer: model '{DENSE}' marks no function with shardfn.core.regional.repeated, and no "
+        f"function of its module takes one layer of params['layers'] (2 layers) as its first argument (its layers "
+        f"run inline in the loss), so only the optimizer update runs compiled; put one layer's code in a function "
+        f"called once per layer, e.g. `h = block(p, h, ...)` for each p in core.layers.unstack(...), and mark it "
+        f"@repeated, or set train.compile=whole (train.compile)")
+
+
+@pytest.mark.slow
+def test_train_compile_trains_an_unmarked_model_as_eager(tmp_path):
+    cfg = config_from_dict({"model": {"name": _unmarked_example(tmp_path)}}, BASE)
+    eager = _losses(cfg)
+    compiled = _losses(config_from_dict({"model": {"name": cfg.model_name}}, [*BASE, "train.compile=true"]))
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+
+
 def test_export_without_hf_names_is_one_line(tmp_path, capsys):
     from shardfn import cli
 
@@ -191,10 +268,30 @@ def test_the_minimal_dense_model_trains_on_one_device_dp2_and_pp2():
 def test_the_example_model_matches_one_device_on_every_layout(layouts):
     ref = _losses(load_config(EXAMPLE, BASE))
     assert ref[-1] < ref[0]
-    runs = run_layouts({k: load_config(EXAMPLE, [*BASE, *v]) for k, v in layouts.items()})
-    assert set(runs) == set(layouts)
-    for name, losses in runs.items():
-        torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    runs = run_layouts(_example_spawn(layouts))
+    assert set(layouts) <= set(runs)
+    for name in layouts:
+        torch.testing.assert_close(runs[name], ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _example_spawn(layouts: dict) -> dict:
+    """The configs of one 2-rank spawn: the example on ``layouts``, and with the default layouts
+    moe_tiny's aux metrics under pp (:data:`MOE_AUX_LAYOUTS`)."""
+    configs = {k: load_config(EXAMPLE, [*BASE, *v]) for k, v in layouts.items()}
+    if layouts is EXAMPLE_LAYOUTS:
+        configs.update({k: load_config("moe_tiny", [*BASE, *MOE_AUX, *v]) for k, v in MOE_AUX_LAYOUTS.items()})
+    return configs
+
+
+def test_scalar_aux_metrics_under_pp_are_one_devices():
+    """moe_tiny's ce_loss and balance_loss, made on both stages of pp2 (the balance loss by the MoE
+    layers of each), summed over the stages and averaged over the microbatches: one device's, every step."""
+    ref = _curves(load_config("moe_tiny", [*BASE, *MOE_AUX]))
+    assert {"ce_loss", "balance_loss"} <= set(ref) and bool((ref["balance_loss"] > 0).all())
+    runs = run_layout_curves(_example_spawn(EXAMPLE_LAYOUTS))
+    for name in MOE_AUX_LAYOUTS:
+        for key in ("loss", "ce_loss", "balance_loss"):
+            torch.testing.assert_close(runs[name][key], ref[key], rtol=1e-5, atol=0, msg=lambda m: f"{name} {key}: {m}")
 
 
 # ----------------------------------------------------------------------------- parallelism out of model files
@@ -229,24 +326,71 @@ def test_the_example_plans_at_a_100b_class_size(capsys):
     assert "params: 99.71B total, 6.09B active per token" in out and "layers 0-47" in out and ": fits" in out
 
 
-def test_a_pipeline_split_blocked_by_a_per_layer_value_says_which_values_cross():
+def _split(loss_fn, cfg, tokens):
+    """The two-stage split of ``loss_fn`` on ``tokens``: the pipeline, each stage's share of the
+    FLOPs, and the warnings it gave."""
     import warnings
 
     from shardfn.partition.stages import build_pipeline
 
     moe = models.get("moe")
-    tokens = torch.zeros(2, 16, dtype=torch.long)
-    messages = {}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pipe = build_pipeline(loss_fn, moe.init(cfg, 0), {"inputs": tokens, "targets": tokens.roll(-1, 1)},
+                              n_stages=2)
+    total = sum(s.flops for s in pipe.stages)
+    return pipe, [s.flops / total for s in pipe.stages], [str(w.message) for w in record
+                                                          if str(w.message).startswith("pipeline stages")]
+
+
+def test_a_per_layer_auxiliary_loss_splits_as_evenly_as_without_it():
+    """moe (9 layers) with a balance loss, summed after the last layer, splits where it does
+    without (47% / 53% of the FLOPs; it was 22% / 78% when the running sum blocked every cut but
+    one): each stage adds up its layers' terms, and the two stages' loss, gradients and aux values
+    are one device's."""
+    from shardfn.core.pytree import tree_leaves
+    from shardfn.core.transforms import value_and_grad
+    from shardfn.partition.schedules import get_schedule
+    from shardfn.partition.stages import merge_params, stage_params
+    from shardfn.runtime.executor import run_schedule, split_microbatches
+
+    moe = models.get("moe")
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    shares = {}
     for alpha in (0.0, 0.01):
         cfg = moe.Config(n_layers=9, aux_loss_alpha=alpha)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            build_pipeline(lambda p, b: moe.loss(p, b, cfg), moe.init(cfg, 0), {"inputs": tokens, "targets": tokens},
-                           n_stages=2)
-        messages[alpha] = [str(w.message) for w in record if str(w.message).startswith("pipeline stages")]
-    assert messages[0.0] == []  # without the balance loss every layer boundary is a cut, and the split is even
-    (message,) = messages[0.01]
+        pipe, shares[alpha], warned = _split(lambda p, b: moe.loss_and_aux(p, b, cfg), cfg, tokens[:2])
+        assert warned == []
+    assert [round(x, 3) for x in shares[0.01]] == [0.468, 0.532]
+    torch.testing.assert_close(shares[0.01], shares[0.0], rtol=0, atol=1e-3)
+    assert [s.sides for s in pipe.stages] == [("loss", "aux:balance_loss"), ("aux:balance_loss", "aux:ce_loss")]
+
+    params = moe.init(cfg, 0)
+    batch = {"inputs": tokens, "targets": tokens.roll(-1, 1)}
+    out = run_schedule(pipe, get_schedule("interleaved_1f1b", 1, 2, 2), 0,
+                       {s: stage_params(params, pipe, s) for s in range(2)}, split_microbatches(batch, 2), group=None)
+    (loss, aux), grads = value_and_grad(lambda p: moe.loss_and_aux(p, batch, cfg), has_aux=True)(params)
+    assert aux["balance_loss"] > 0 and set(out.aux) == {"balance_loss", "ce_loss"}
+    torch.testing.assert_close(out.loss, loss, rtol=1e-5, atol=0)
+    for key, value in out.aux.items():
+        torch.testing.assert_close(value, aux[key], rtol=1e-5, atol=0)
+    for a, b in zip(tree_leaves(merge_params(out.grads, pipe)), tree_leaves(grads)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_a_split_that_truly_cannot_balance_says_which_values_cross():
+    """A loss that multiplies by the per-layer sum keeps it alive across every layer boundary:
+    that split stays uneven, and the warning names the values."""
+    moe = models.get("moe")
+    cfg = moe.Config(n_layers=9, aux_loss_alpha=0.01)
+
+    def scaled(p, b):
+        value, aux = moe.loss_and_aux(p, b, cfg)
+        return value * (1 + aux["balance_loss"])
+
+    _, shares, (message,) = _split(scaled, cfg, torch.zeros(2, 16, dtype=torch.long))
+    assert [round(x, 2) for x in shares] == [0.22, 0.78]
     assert message.startswith("pipeline stages hold 22% / 78% of the cost, more than 10% off even: 7 of 8 layer "
                               "boundaries are no valid cut (one activation crossing): before layer moe_layers.4, "
                               "6 values cross: ")
-    assert "(mul.Tensor, shape [])" in message and "an auxiliary loss summed after the last layer" in message
+    assert "(mul.Tensor, shape [])" in message and "unless the loss adds it up" in message
