@@ -35,7 +35,7 @@ import yaml
 
 from shardfn.core.precision import DTYPES, PRECISIONS
 from shardfn.core.units import parse_bytes
-from shardfn.partition.layouts import (
+from shardfn.partition.layouts.axes import (
     AXIS_ORDER,
     DEFAULT_BUCKET_BYTES,
     DEFAULT_RULES,
@@ -47,8 +47,8 @@ from shardfn.partition.layouts import (
     resolve_rules,
     seq_split,
 )
-from shardfn.partition.remat import POLICIES as REMAT_POLICIES
-from shardfn.partition.schedules import SCHEDULES, canonical_name
+from shardfn.partition.passes.remat import POLICIES as REMAT_POLICIES
+from shardfn.partition.pipeline.schedules import SCHEDULES, canonical_name
 from shardfn.partition.spec import entry_axes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "examples" / "configs"

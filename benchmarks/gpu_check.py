@@ -112,7 +112,7 @@ def card_profile(device: torch.device) -> str | None:
 
 
 def _peak(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float | None:
-    from shardfn.partition.hardware import load_hardware
+    from shardfn.partition.cost.hardware import load_hardware
 
     profile = card_profile(device)
     return load_hardware(profile).peak_flops(dtype) if profile else None
@@ -335,7 +335,7 @@ def check_gqa(device: torch.device, size: dict, args) -> dict:
     import torch.distributed as dist
 
     from shardfn import models
-    from shardfn.partition.grouped_heads import KERNELS
+    from shardfn.partition.passes.grouped_heads import KERNELS
     from shardfn.runtime.partitioned import mesh_step
     from shardfn.runtime.train_step import make_optimizer
 
@@ -383,7 +383,7 @@ def check_gqa(device: torch.device, size: dict, args) -> dict:
 
 
 def check_gemm(device: torch.device, size: dict, args) -> dict:
-    from shardfn.partition.hardware import efficiency
+    from shardfn.partition.cost.hardware import efficiency
 
     profile = card_profile(device)
     eff = efficiency(profile or "")

@@ -58,7 +58,7 @@ def check_before_launch(cfg) -> None:
     """
     from shardfn import models
     from shardfn.partition.errors import LayoutError
-    from shardfn.partition.layouts import check_run
+    from shardfn.partition.layouts.axes import check_run
     from shardfn.runtime import checkpoint, data
 
     try:  # a layout that cannot run

@@ -21,13 +21,13 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.core._torch_private import dtensor_wrapper, local_shard_slices
-from shardfn.partition import report
-from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes
 from shardfn.partition.local_map import mesh_scope
-from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
+from shardfn.partition.passes.bucket import bucket_collectives, check_bucket_bytes
 from shardfn.partition.spec import AUTO, broadcast_specs, check_divisible
-from shardfn.partition.trace import Traced, flatten_args, trace
+from shardfn.partition.spmd import report
+from shardfn.partition.spmd.lower import Lowered, lower
+from shardfn.partition.spmd.trace import Traced, flatten_args, trace
 
 log = logging.getLogger("shardfn.jit")
 

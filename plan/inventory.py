@@ -17,9 +17,9 @@ import torch
 
 from shardfn import models
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.partition.layouts import param_specs, resolve_rules
+from shardfn.partition.layouts.axes import param_specs, resolve_rules
+from shardfn.partition.pipeline.split import split_costs
 from shardfn.partition.spec import P, shard_shape
-from shardfn.partition.stages import split_costs
 from shardfn.plan.layout import Layout, rank_stages
 from shardfn.runtime.train_step import make_optimizer
 
@@ -114,7 +114,7 @@ def layer_costs(model_name: str, model_cfg, rows: int, seq_len: int, dtype: torc
     """
     from shardfn import models
     from shardfn.core._torch_private import fake_mode
-    from shardfn.partition.stages import layer_units, trace_loss
+    from shardfn.partition.pipeline.split import layer_units, trace_loss
 
     model = models.get(model_name)
     stacks = model.stacks(model_cfg)

@@ -14,9 +14,9 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from shardfn.partition.cost import intra_node_dims
+from shardfn.partition.cost.model import intra_node_dims
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import (
+from shardfn.partition.layouts.axes import (
     AXIS_ORDER,
     DATA_AXES,
     MESH_AXES,
@@ -26,7 +26,7 @@ from shardfn.partition.layouts import (
     check_stages,
     resolve_rules,
 )
-from shardfn.partition.schedules import SCHEDULES, canonical_name, get_schedule, simulate, stages_per_rank
+from shardfn.partition.pipeline.schedules import SCHEDULES, canonical_name, get_schedule, simulate, stages_per_rank
 
 PlanError = LayoutError
 """A layout that cannot run; ``key`` is the config key to change (``"mesh.ep"``)."""

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from shardfn.partition.cost import Rates
-from shardfn.partition.hardware import Hardware
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import Rates
 from shardfn.plan.layout import Layout, PlanError
 from shardfn.plan.runmodel import RunSpec, Shape, floor_bytes, model_shape, run_estimate
 

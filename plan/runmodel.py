@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardfn.partition.cost import Rates
-from shardfn.partition.hardware import Hardware
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import Rates
 from shardfn.plan.layout import Layout, inflight, intra_node, makespan_units
 
 GIB = 1 << 30

@@ -17,7 +17,7 @@ import torch
 from shardfn import models
 from shardfn.core.pytree import PyTree
 from shardfn.core.regional import with_compiled_layers
-from shardfn.partition.remat import rematerialized
+from shardfn.partition.passes.remat import rematerialized
 from shardfn.runtime.param_source import full_tree
 from shardfn.runtime.step import Step, identity_state
 from shardfn.runtime.train_step import make_optimizer, make_train_step, precision_policy

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from shardfn.core.pytree import flatten_with_paths, tree_map
-from shardfn.partition.schedules import Action, Schedule, add_communication, group_steps, pair_overlaps
-from shardfn.partition.stages import Pipeline
+from shardfn.partition.pipeline.schedules import Action, Schedule, add_communication, group_steps, pair_overlaps
+from shardfn.partition.pipeline.split import Pipeline
 from shardfn.runtime.interleave import run_pair
 
 # ----------------------------------------------------------------------------- one schedule run

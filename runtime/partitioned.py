@@ -24,8 +24,7 @@ import shardfn as sf
 from shardfn import models
 from shardfn.core import optim
 from shardfn.core.pytree import tree_map
-from shardfn.partition.context import balanced_batch
-from shardfn.partition.layouts import (
+from shardfn.partition.layouts.axes import (
     batch_spec,
     mesh_axes,
     param_specs,
@@ -34,8 +33,9 @@ from shardfn.partition.layouts import (
     seq_split,
     state_specs,
 )
-from shardfn.partition.remat import remat_pass
+from shardfn.partition.passes.remat import remat_pass
 from shardfn.partition.spec import P, entry_axes
+from shardfn.partition.spmd.context_rules import balanced_batch
 from shardfn.runtime.step import Step, identity_state
 
 
@@ -182,7 +182,7 @@ def _passes(cfg, mesh=None) -> dict | None:
     if cfg.train.remat != "none":
         passes["after_trace"] = [remat_pass(cfg.train.remat)]
     if overlaps(cfg, mesh):
-        from shardfn.partition.overlap import overlap_pass
+        from shardfn.partition.passes.overlap import overlap_pass
 
         passes["after_lower"] = [overlap_pass(cfg.partition.overlap_bytes)]
     return passes or None

@@ -140,7 +140,7 @@ def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_ex
 
 
 def _register() -> None:
-    from shardfn.partition.fiw import register_differentiable
+    from shardfn.partition.pipeline.fiw import register_differentiable
 
     register_differentiable(torch.ops.shardfn.count_experts.default, count_experts)
 

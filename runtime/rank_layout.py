@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardfn.core.pytree import PyTree, flatten_with_paths, tree_flatten, tree_unflatten
-from shardfn.partition.stage_programs import StagePrograms
-from shardfn.partition.stages import Pipeline, merge_params
+from shardfn.partition.pipeline.split import Pipeline, merge_params
+from shardfn.partition.pipeline.stage_programs import StagePrograms
 from shardfn.runtime.param_source import Source, contiguous_stride, tree_source
 
 

@@ -11,9 +11,9 @@ import shardfn as sf
 from shardfn import P
 from shardfn.partition import auto
 from shardfn.partition.api import jit_auto
-from shardfn.partition.cost import CostModel
-from shardfn.partition.hardware import Hardware, available_hardware, load_hardware
-from shardfn.partition.trace import trace
+from shardfn.partition.cost.hardware import Hardware, available_hardware, load_hardware
+from shardfn.partition.cost.model import CostModel
+from shardfn.partition.spmd.trace import trace
 from shardfn.runtime.launch import spawn
 
 # ------------------------------------------------------------------ hardware and cost model

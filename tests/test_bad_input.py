@@ -334,7 +334,7 @@ def test_cli_argparse(argv, message, capsys):
     (lambda S: S.stage_to_rank_map(2, 6, "v"), r"a V placement has 2 stages per rank: n_stages must be 4"),
 ], ids=["gpipe-0-ranks", "interleaved-0-virtual", "zbh1-virtual", "stages-not-multiple", "v-placement"])
 def test_schedule(call, message):
-    from shardfn.partition import schedules
+    from shardfn.partition.pipeline import schedules
 
     with pytest.raises(ValueError, match=message):
         call(schedules)

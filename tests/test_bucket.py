@@ -8,7 +8,7 @@ import shardfn as sf
 from shardfn import P
 from shardfn.config import load_config
 from shardfn.core.transforms import value_and_grad
-from shardfn.partition.bucket import DEFAULT_BUCKET_BYTES, bucket_pass
+from shardfn.partition.passes.bucket import DEFAULT_BUCKET_BYTES, bucket_pass
 from shardfn.runtime.launch import spawn
 
 BUCKETS = (None, DEFAULT_BUCKET_BYTES, 8192)  # off; all gradients in one bucket; 2 weights (4096 B each) per bucket

@@ -14,7 +14,7 @@ from test_model_contract import BASE, _losses, run_layouts
 from shardfn import cli, models
 from shardfn.config import load_config
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import check_run
+from shardfn.partition.layouts.axes import check_run
 
 PUBLISHED = {
     # config: (total, active, the published figures' own rounding as a fraction), from the model cards

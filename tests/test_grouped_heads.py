@@ -7,7 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import layers as L
-from shardfn.partition.grouped_heads import BACKWARD, FORWARD, KERNELS, read_grouped_heads
+from shardfn.partition.passes.grouped_heads import BACKWARD, FORWARD, KERNELS, read_grouped_heads
 
 aten = torch.ops.aten
 

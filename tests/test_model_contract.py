@@ -16,7 +16,7 @@ from shardfn import models
 from shardfn.config import config_from_dict, load_config
 from shardfn.models.contract import ModelError
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import check_run
+from shardfn.partition.layouts.axes import check_run
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = str(ROOT / "tests" / "tiny_dense.py")
@@ -232,7 +232,7 @@ def test_the_example_plans_at_a_100b_class_size(capsys):
 def test_a_pipeline_split_blocked_by_a_per_layer_value_says_which_values_cross():
     import warnings
 
-    from shardfn.partition.stages import build_pipeline
+    from shardfn.partition.pipeline.split import build_pipeline
 
     moe = models.get("moe")
     tokens = torch.zeros(2, 16, dtype=torch.long)

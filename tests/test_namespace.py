@@ -9,7 +9,7 @@ import torch
 
 import shardfn as sf
 from shardfn.core import optim, precision, transforms
-from shardfn.partition import remat as remat_module
+from shardfn.partition.passes import remat as remat_module
 
 NAMES = ("jit", "P", "AUTO", "Mesh", "specs_like", "constrain", "local_map", "pipeline_split",
          "register_autograd", "value_and_grad", "grad", "stop_gradient", "optim", "remat", "checkpoint",

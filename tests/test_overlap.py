@@ -13,7 +13,7 @@ from test_remat import run_config
 
 from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
-from shardfn.partition import overlap as ov
+from shardfn.partition.passes import overlap as ov
 
 FSDP = ["train.batch_size=8", "train.seq_len=32", "mesh.fsdp=2", "model.n_layers=4"]
 PLAIN = ["partition.overlap=false"]  # the unscheduled program (the pass is on by default under fsdp)

@@ -7,7 +7,7 @@ import torch
 
 import shardfn as sf
 from shardfn import P
-from shardfn.partition.remat import remat_pass
+from shardfn.partition.passes.remat import remat_pass
 
 aten = torch.ops.aten
 
@@ -73,7 +73,7 @@ def test_remat_is_a_pass():
     def step(w, x):
         return torch.func.grad(loss)(w, x)
 
-    from shardfn.partition.trace import trace
+    from shardfn.partition.spmd.trace import trace
 
     w, x = torch.randn(2, 8, 8), torch.randn(4, 8)
     gm = remat_pass("full")(trace(step, (w, x)).graph_module)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from shardfn.cli import schedule as schedule_cli
-from shardfn.partition.schedules import (
+from shardfn.partition.pipeline.schedules import (
     SCHEDULES,
     Action,
     Schedule,
@@ -209,7 +209,7 @@ def test_pair_overlaps_moves_the_forwards_send_after_the_pair_and_the_backwards_
 
 
 def test_pair_overlaps_makes_no_pair_when_the_moved_messages_would_not_validate(monkeypatch):
-    from shardfn.partition import schedules
+    from shardfn.partition.pipeline import schedules
 
     def refuse(schedule):
         raise ScheduleError("blocked")

@@ -19,9 +19,9 @@ from torch.fx.node import map_arg
 from shardfn.core.units import format_bytes
 from shardfn.partition.auto.ilp import Solution, solve_problem
 from shardfn.partition.auto.problem import Cost, Problem, Reshard
-from shardfn.partition.hardware import Hardware, load_hardware
+from shardfn.partition.cost.hardware import Hardware, load_hardware
 from shardfn.partition.spec import AUTO, broadcast_specs, to_spec
-from shardfn.partition.trace import Traced
+from shardfn.partition.spmd.trace import Traced
 
 aten = torch.ops.aten
 

@@ -279,7 +279,7 @@ def check_run(model, cfg) -> None:
         check_run(moe, load_config("moe_tiny", ["mesh.pp=4"]))   # LayoutError: mesh.pp: 4 pipeline stages ...
     """
     model = models.get(model)
-    from shardfn.partition.schedules import get_schedule, stages_per_rank
+    from shardfn.partition.pipeline.schedules import get_schedule, stages_per_rank
 
     axes = cfg.mesh.axes()
     rules = resolve_rules(cfg.rules, axes)

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core._torch_private import fake_mode
-from shardfn.partition.fx import (
+from shardfn.partition.spmd.fx import (
     ancestors,
     descendants,
     extract_subgraph,
@@ -164,7 +164,7 @@ def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") 
     head = 1 + (stage.in_spec is not None)
     stack_layer_grads(gm, outs[head:])
     if remat != "none":
-        from shardfn.partition.remat import remat as rematerialize
+        from shardfn.partition.passes.remat import remat as rematerialize
 
         for node, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names):
             node.meta.setdefault("sf_path", name)  # "param:layers.attn.wq": its stack is "param:layers"

@@ -41,9 +41,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.flops import op_flops
-from shardfn.partition.fx import is_view
-from shardfn.partition.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, efficiency, load_hardware
+from shardfn.partition.cost.flops import op_flops
+from shardfn.partition.cost.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, efficiency, load_hardware
+from shardfn.partition.spmd.fx import is_view
 
 aten = torch.ops.aten
 

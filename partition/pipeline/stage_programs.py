@@ -33,12 +33,12 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.fiw import joint_graph, set_programs, split_fiw, split_joint
 from shardfn.partition.local_map import mesh_scope
-from shardfn.partition.lower import Lowered, lower, lower_redistribute
+from shardfn.partition.pipeline.fiw import joint_graph, set_programs, split_fiw, split_joint
+from shardfn.partition.pipeline.split import Stage, TensorSpec
 from shardfn.partition.spec import P, check_divisible
-from shardfn.partition.stages import Stage, TensorSpec
-from shardfn.partition.trace import Traced
+from shardfn.partition.spmd.lower import Lowered, lower, lower_redistribute
+from shardfn.partition.spmd.trace import Traced
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from shardfn.partition.lower import collective_nodes
 from shardfn.partition.spec import describe
+from shardfn.partition.spmd.lower import collective_nodes
 
 
 def _bytes(t: torch.Tensor) -> int:

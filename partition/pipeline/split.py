@@ -32,10 +32,18 @@ import torch
 import torch.fx as fx
 
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.partition.fiw import Part, differentiable_ops, split_fiw
-from shardfn.partition.flops import node_flops
-from shardfn.partition.fx import ancestors, descendants, extract_subgraph, identifier, nbytes, node_val, output_nodes
-from shardfn.partition.trace import trace
+from shardfn.partition.cost.flops import node_flops
+from shardfn.partition.pipeline.fiw import Part, differentiable_ops, split_fiw
+from shardfn.partition.spmd.fx import (
+    ancestors,
+    descendants,
+    extract_subgraph,
+    identifier,
+    nbytes,
+    node_val,
+    output_nodes,
+)
+from shardfn.partition.spmd.trace import trace
 
 STREAM_SUFFIX = "inputs"
 """The batch leaf whose path ends with this is the pipeline's stream source (token ids)."""

@@ -20,8 +20,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.constrain import tracing_scope
-from shardfn.partition.fx import drop_detaches, stack_gradients
 from shardfn.partition.local_map import collecting_regions
+from shardfn.partition.spmd.fx import drop_detaches, stack_gradients
 
 
 @dataclass

@@ -19,9 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.grouped_heads import read_grouped_heads
-from shardfn.partition.propagate import ShardingError, ShardingInterpreter
-from shardfn.partition.trace import Traced
+from shardfn.partition.passes.grouped_heads import read_grouped_heads
+from shardfn.partition.spmd.propagate import ShardingError, ShardingInterpreter
+from shardfn.partition.spmd.trace import Traced
 
 COLLECTIVES = {
     "all_reduce": "all_reduce",

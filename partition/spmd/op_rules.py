@@ -34,7 +34,7 @@ def register_all() -> None:
     _registered = True
 
     import shardfn.core.grouped_mm  # noqa: F401  (registers shardfn::grouped_mm)
-    from shardfn.partition.context import register_rules
+    from shardfn.partition.spmd.context_rules import register_rules
 
     REDUCE_LIKE_INPUT.update(register_rules())  # context parallelism: attention over a sequence split on cp
 

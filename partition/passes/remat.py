@@ -36,7 +36,7 @@ from typing import Callable, Union
 import torch
 import torch.fx as fx
 
-from shardfn.partition.fx import ancestors
+from shardfn.partition.spmd.fx import ancestors
 
 Policy = Union[str, Callable[[fx.Node], bool]]
 POLICIES = ("none", "full", "selective")
@@ -215,7 +215,7 @@ def rematerialized(fn: Callable, policy: Policy = "full", *, backend: str | None
     """
     import optree
 
-    from shardfn.partition.trace import flatten_args, trace
+    from shardfn.partition.spmd.trace import flatten_args, trace
 
     policy = check_policy(policy)
     programs: dict = {}
