@@ -16,7 +16,7 @@ the valid ones.
 
 ``rules`` maps logical axis names (the names models give their dims, plus the activation axes
 ``batch`` and ``seq``) to a mesh axis, a list of mesh axes, or null (replicated). The file's rules
-are merged over ``partition.layouts.DEFAULT_RULES``, so a file only states what it changes. The
+are merged over ``partition.layouts.axes.DEFAULT_RULES``, so a file only states what it changes. The
 layout facts themselves (mesh axes, default rules, schedule names, divisibility) live in
 ``shardfn.partition``; this module only reads and validates the file.
 """
@@ -67,7 +67,7 @@ class MeshConfig:
     pp: int = 1  # pipeline stages
     dp: int = 1  # data parallel (replicated parameters)
     fsdp: int = 1  # fully sharded data parallel (ZeRO-3)
-    cp: int = 1  # context parallel: the sequence split (partition.context)
+    cp: int = 1  # context parallel: the sequence split (partition.spmd.context_rules)
     ep: int = 1  # expert parallel
     tp: int = 1  # tensor parallel
 
@@ -77,7 +77,7 @@ class MeshConfig:
 
     def axes(self) -> dict[str, int]:
         """``{"pp": .., "dp": .., "fsdp": .., "ep": .., "tp": ..}``, major to minor (for ``sf.Mesh``),
-        with ``"cp"`` after ``fsdp`` when it is > 1 (``partition.layouts.mesh_axes``)."""
+        with ``"cp"`` after ``fsdp`` when it is > 1 (``partition.layouts.axes.mesh_axes``)."""
         return mesh_axes({name: getattr(self, name) for name in AXIS_ORDER})
 
     def validate(self) -> None:
@@ -130,7 +130,7 @@ class TrainConfig:
     nonfinite: str = "raise"  # a NaN/Inf loss or grad_norm: "raise" stops the run, "skip" skips that update
     precision: str = "fp32"  # "bf16": fp32 master weights and optimizer state, bf16 compute (core/precision.py)
     reduce_dtype: str = "fp32"  # the dtype gradient sums travel in between ranks
-    remat: str = "none"  # activation checkpointing: none | full | selective (partition/remat.py)
+    remat: str = "none"  # activation checkpointing: none | full | selective (partition/passes/remat.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
@@ -170,7 +170,7 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # a schedule name (partition.schedules.SCHEDULES)
+    schedule: str = "1f1b"  # a schedule name (partition.pipeline.schedules.SCHEDULES)
     microbatches: int = 1  # per step (and per data-parallel rank)
     stages: Union[int, None] = None  # null: one stage per pp rank
     # with an MoE exchange in the stages: each overlapped pair (DualPipeV's F + the other chunk's B)
@@ -195,7 +195,7 @@ class PartitionConfig:
     # say "25MiB"); 0 or null: one collective per tensor. 25 MiB is DDP's bucket_cap_mb default
     bucket_bytes: Union[int, None] = DEFAULT_BUCKET_BYTES
     # collectives issued as early as their inputs allow and waited on at first use
-    # (partition/overlap.py); null: on where parameters are stored sharded (mesh.fsdp > 1), whose
+    # (partition/passes/overlap.py); null: on where parameters are stored sharded (mesh.fsdp > 1), whose
     # gathers it prefetches, measured faster there and not elsewhere (docs/passes.md);
     # overlap_bytes bounds the gathered bytes issued ahead ("64MiB";
     # null: two layers' worth, FSDP's prefetch of one layer ahead)

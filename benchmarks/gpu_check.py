@@ -18,9 +18,9 @@ not stop the others, and the exit status is 1 if any failed):
     gqa         the per-rank program of the step on a one-rank mesh (NCCL on cuda): which fused
                 attention op the trace holds, the key/value head count each one reads, and that
                 no repeated key/value copy (``clone`` of an ``expand``) or group sum is left
-                (``partition/grouped_heads.py``).
+                (``partition/passes/grouped_heads.py``).
     gemm        achieved bf16 GEMM rates at the shapes of the planner's rate table
-                (``partition.hardware.EFFICIENCY``: a smallest dim of 64 ... 8192, the others
+                (``partition.cost.hardware.EFFICIENCY``: a smallest dim of 64 ... 8192, the others
                 8192) and a causal flash attention forward + backward (head dim 128), side by
                 side with the table's shares of peak.
     tests       (cuda only) the ``cuda``-marked tests: ``python -m pytest -q -m cuda tests``.

@@ -475,7 +475,7 @@ def attention(
     (the partitioner's trace) or inside a ``torch.func`` transform, the key/value heads are
     repeated (``repeat_interleave``) before ``scaled_dot_product_attention``, so the fused kernel
     sees equal head counts, which the partitioner's sharding rules split over heads; once
-    lowered to a rank's own shapes, ``partition.grouped_heads`` hands the kernels the groups
+    lowered to a rank's own shapes, ``partition.passes.grouped_heads`` hands the kernels the groups
     unrepeated again.
 
     Args:

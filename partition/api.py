@@ -342,12 +342,12 @@ def jit(
         reshard_after_forward: ``fsdp_argnums`` values are gathered again for the backward (True,
             less memory) or gathered once, the copy kept for the backward (False, half the bytes).
         passes: graph passes (``GraphModule -> GraphModule``) by point of the flow:
-            ``after_trace`` (the global graph, e.g. ``partition.remat.remat_pass("full")``),
+            ``after_trace`` (the global graph, e.g. ``partition.passes.remat.remat_pass("full")``),
             ``after_propagate`` (the global graph with ``meta["sf_placements"]`` on each node;
             a rewrite is propagated and lowered again) and ``after_lower`` (the per-rank program,
             collectives included). Each runs once per lowering, in order (``docs/passes.md``).
         bucket_bytes: coalesce gradient all-reduces and reduce-scatters into buckets of at most
-            this many bytes (``partition/bucket.py``; the run config's ``partition.bucket_bytes``
+            this many bytes (``partition/passes/bucket.py``; the run config's ``partition.bucket_bytes``
             defaults to 25 MiB, as DDP); None or 0: one collective per tensor. Runs before the
             ``after_lower`` passes.
         verbose: print one line (to stderr) when a signature is first lowered and when its program

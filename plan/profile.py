@@ -253,7 +253,7 @@ def measure(lowered) -> Measure:
 
 
 def _unbucketed(rows: list[dict]) -> list[dict]:
-    """Collective rows with each bucket (``partition/bucket.py``) split back into one row per
+    """Collective rows with each bucket (``partition/passes/bucket.py``) split back into one row per
     tensor it carries: a plan counts collectives per tensor, so a layer's share scales with
     the layer count; buckets merge them at run time, bytes unchanged."""
     out = []

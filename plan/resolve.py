@@ -51,7 +51,7 @@ class Resolved:
         cfg: the run config with the planner's dtype applied (``train.remat`` as the config or
             ``checkpointing`` says; a layout's ``checkpointing`` picks ``full`` or ``none``).
         model: the model module (``models.get(cfg.model_name)``).
-        rates: the hardware's achieved rates (``partition.cost.Rates``); ``hardware`` its profile.
+        rates: the hardware's achieved rates (``partition.cost.model.Rates``); ``hardware`` its profile.
         capacity_bytes: ``partition.memory_budget`` if set, else the device's memory.
         budgeted: the capacity is the budget.
     """

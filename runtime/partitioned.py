@@ -3,7 +3,7 @@
 The layout comes from the config alone: ``mesh`` sizes and logical-axis ``rules`` give a spec
 for every parameter, the optimizer state follows the parameters, the global batch is split over
 the data axes (and its sequence over ``cp``, in the load-balanced order of
-``partition.context``), and gradients are constrained to the parameters' specs (so under ``fsdp`` they
+``partition.spmd.context_rules``), and gradients are constrained to the parameters' specs (so under ``fsdp`` they
 are reduce-scattered, under ``dp`` all-reduced). Model code is untouched.
 
     step = mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))

@@ -2,8 +2,8 @@
 
 A rank's state is ``{"stage<s>": subtree}`` for its stages, each subtree shaped like the model's
 tree restricted to the leaves the stage holds, and each leaf this rank's *block* of the stage's
-tensor: the stage's layers of a stacked leaf (``partition.stages``), then this rank's shard of
-those under the leaf's placements on the stage's mesh (``partition.stage_programs``). A block
+tensor: the stage's layers of a stacked leaf (``partition.pipeline.split``), then this rank's shard of
+those under the leaf's placements on the stage's mesh (``partition.pipeline.stage_programs``). A block
 is a box of the full leaf (:meth:`RankLayout.region`), which is all that initialisation, import,
 checkpoints and exports need:
 

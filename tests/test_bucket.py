@@ -1,4 +1,4 @@
-"""Gradient bucketing (partition/bucket.py): same bytes in fewer collectives, same results."""
+"""Gradient bucketing (partition/passes/bucket.py): same bytes in fewer collectives, same results."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """The per-rank program's fused attentions read grouped key/value heads without repeating them
-(partition/grouped_heads.py): the same forward to the bit, gradients to float rounding. The CUDA
+(partition/passes/grouped_heads.py): the same forward to the bit, gradients to float rounding. The CUDA
 kernels' graphs are built on meta tensors here; ``cuda``-marked tests run them on a GPU."""
 
 import pytest

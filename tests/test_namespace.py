@@ -82,10 +82,13 @@ def test_import_shardfn_loads_nothing_else():
 
 
 # The layout facts a config is checked against live in these partition modules (mesh axes,
-# rules, schedules, remat policy names); tracing, propagation, lowering and compiling do not.
-CONFIG_FACTS = {"shardfn.partition", "shardfn.partition.errors", "shardfn.partition.fx",
-                "shardfn.partition.layouts", "shardfn.partition.remat", "shardfn.partition.schedules",
-                "shardfn.partition.spec"}
+# rules, schedules, remat policy names) and the sub-packages holding them, whose __init__ imports
+# nothing; tracing, propagation, lowering and compiling do not.
+CONFIG_FACTS = {"shardfn.partition", "shardfn.partition.errors", "shardfn.partition.spec",
+                "shardfn.partition.spmd", "shardfn.partition.spmd.fx",
+                "shardfn.partition.layouts", "shardfn.partition.layouts.axes",
+                "shardfn.partition.passes", "shardfn.partition.passes.remat",
+                "shardfn.partition.pipeline", "shardfn.partition.pipeline.schedules"}
 
 
 def test_shardfn_params_loads_no_partitioner_runtime_or_planner():

@@ -1,4 +1,4 @@
-"""Communication hidden behind compute (partition/overlap.py, the MoE layer's shared experts).
+"""Communication hidden behind compute (partition/passes/overlap.py, the MoE layer's shared experts).
 
 Program order: in the lowered fsdp2 step of llama_tiny each layer's all-gathers are issued
 before the previous layer's compute (forward and backward), within the memory bound; the MoE

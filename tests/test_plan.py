@@ -130,7 +130,7 @@ def test_stage_ranges_tile_the_layers_balanced_by_cost():
 
 @pytest.mark.parametrize("config,n_layers,pp", [("llama_tiny", 4, 2), ("llama_tiny", 5, 3), ("moe_tiny", 4, 2)])
 def test_the_planned_split_is_the_split_that_runs(config, n_layers, pp):
-    """The planner and the pipeline runtime ask the same functions (partition.stages): their stages hold
+    """The planner and the pipeline runtime ask the same functions (partition.pipeline.split): their stages hold
     the same layers."""
     import torch
 
@@ -615,7 +615,7 @@ def test_plan_of_pipeline_stages_over_cp_is_the_runs(clean_process_group):
 
 
 def test_planner_and_auto_sharder_price_work_with_one_cost_model():
-    """The auto-sharder's per-op model, the traced plan and the run model share partition.cost.Rates:
+    """The auto-sharder's per-op model, the traced plan and the run model share partition.cost.model.Rates:
     the same collective or GEMM costs the same in each (h100: 80% of NVLink, Hopper's GEMM table)."""
     from shardfn.partition.cost.model import CostModel, Rates
     from shardfn.plan.estimate import collective_seconds

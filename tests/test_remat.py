@@ -1,4 +1,4 @@
-"""Activation checkpointing (partition/remat.py): the same bits as no remat, less memory held.
+"""Activation checkpointing (partition/passes/remat.py): the same bits as no remat, less memory held.
 
 fp32 results of ``train.remat: full`` and ``selective`` equal ``none`` bitwise, on one device
 (the step's traced graph, rewritten, against that graph as traced) and on 2 gloo ranks with fsdp

@@ -191,7 +191,7 @@ def solve(
     """Choose input specs and node placements for ``traced`` on ``mesh``.
 
     Args:
-        traced: ``shardfn.partition.trace.trace(fn, args)`` (global shapes, fake tensors).
+        traced: ``shardfn.partition.spmd.trace.trace(fn, args)`` (global shapes, fake tensors).
         mesh: a ``shardfn.Mesh``; ``Mesh(..., fake=True)`` plans without a process group.
         memory_budget: bytes per rank; default the hardware's HBM. ``math.inf``: no limit.
         hardware: a profile name (``"h100"``, ``"b200"``, ...), a YAML path or a ``Hardware``.

@@ -1,6 +1,6 @@
 """Activation checkpointing (remat) as a pass on a traced joint graph.
 
-A joint graph (forward, backward and optimizer, as ``partition.trace`` makes it) keeps every
+A joint graph (forward, backward and optimizer, as ``partition.spmd.trace`` makes it) keeps every
 forward value the backward reads alive from the forward to its use in the backward. This pass
 decides, by a *policy*, which of those values are saved; every other one is recomputed in the
 backward from saved values, by copies of its forward ops inserted just before the first backward

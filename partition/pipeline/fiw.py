@@ -154,7 +154,7 @@ def _data_spec(stage, path: str) -> torch.Tensor:
 def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") -> tuple[fx.GraphModule, list[str]]:
     """:func:`trace_joint` with each stacked parameter's gradient built by one ``stack``
     (:func:`stack_layer_grads`): the global joint that :func:`split_joint` cuts, directly or after
-    partitioning (``partition.stage_programs``). ``remat``: a ``partition.remat`` policy; what it
+    partitioning (``partition.pipeline.stage_programs``). ``remat``: a ``partition.passes.remat`` policy; what it
     does not save is recomputed in the backward (I and W), not kept from F.
 
         joint, names = joint_graph(stage, remat="selective")

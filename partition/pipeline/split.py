@@ -14,7 +14,7 @@ the cuts instead. docs/pipeline.md has the whole design.
 
 Each stage is its own program ``(x, *data, *params) -> y``, where a stacked parameter is the
 stage's own slice ``w[l0:l1]`` with its ``select`` indices rebased, so a rank only ever holds
-its stages' layers. Its backward is split into F / I / W programs by ``partition.fiw``.
+its stages' layers. Its backward is split into F / I / W programs by ``partition.pipeline.fiw``.
 
     pipe = build_pipeline(loss_fn, params, microbatch, n_stages=4)
     print(pipe.describe())
@@ -94,9 +94,9 @@ class Stage:
         data_paths: batch leaves the stage reads (``inputs``, ``targets``).
         in_spec: the incoming activation (None on stage 0); out_spec: the output (the loss on
             the last stage).
-        flops, param_bytes: the forward's cost (``partition.flops.node_flops`` summed) and the bytes of the
+        flops, param_bytes: the forward's cost (``partition.cost.flops.node_flops`` summed) and the bytes of the
             parameters it holds.
-        F, I, W: the split joint (``partition.fiw.split_fiw``); ``y_name``, ``dx_name`` and
+        F, I, W: the split joint (``partition.pipeline.fiw.split_fiw``); ``y_name``, ``dx_name`` and
             ``grad_names`` (aligned with ``param_paths``) name their results in the value env.
     """
 
@@ -210,7 +210,7 @@ class TracedLoss:
 
 
 def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
-    """Trace ``loss_fn(params, batch)`` (one microbatch) with fake tensors (``partition.trace``).
+    """Trace ``loss_fn(params, batch)`` (one microbatch) with fake tensors (``partition.spmd.trace``).
 
     Example:
         traced = trace_loss(lambda p, b: model.loss(p, b, cfg), params, microbatch)

@@ -25,7 +25,7 @@ from shardfn.partition.spmd.trace import Traced
 
 COLLECTIVES = {
     "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",   # in place, on a buffer of its own (partition.bucket)
+    "all_reduce_": "all_reduce",   # in place, on a buffer of its own (partition.passes.bucket)
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_to_all_single": "all_to_all",

@@ -2,7 +2,7 @@
 
 The graph is traced at *global* shapes with fake tensors, so nothing is computed or allocated;
 placements are attached later by propagation. The gradient of a stacked parameter is built by one
-``stack`` of its per-layer parts (``partition.fx.stack_gradients``), not summed from zero-filled
+``stack`` of its per-layer parts (``partition.spmd.fx.stack_gradients``), not summed from zero-filled
 ``select_backward`` s.
 
     traced = trace(train_step, (params, opt_state, batch))
