@@ -37,7 +37,6 @@ from shardfn.core.precision import DTYPES, PRECISIONS
 from shardfn.core.units import parse_bytes
 from shardfn.partition.layouts.axes import (
     AXIS_ORDER,
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_RULES,
     LOGICAL_AXES,
     check_batch,
@@ -47,6 +46,7 @@ from shardfn.partition.layouts.axes import (
     resolve_rules,
     seq_split,
 )
+from shardfn.partition.passes import DEFAULT_BUCKET_BYTES
 from shardfn.partition.passes.remat import POLICIES as REMAT_POLICIES
 from shardfn.partition.pipeline.schedules import SCHEDULES, canonical_name
 from shardfn.partition.spec import entry_axes

@@ -43,10 +43,6 @@ SEQUENCE_AXIS = "cp"
 DATA_AXES = ("dp", "fsdp", "ep")
 """The axes the global batch is split over by default (``rules.batch``)."""
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""``partition.bucket_bytes``' default: PyTorch DDP's 25 MiB bucket (``bucket_cap_mb``). Used by
-the gradient bucketing pass (``partition.passes.bucket``); kept here so a config loads without it."""
-
 LOGICAL_AXES = ("batch", "seq", *PARAM_AXES)
 """Logical axis names that rules may map: the activations' ``batch`` and ``seq``, and every name a
 parameter dim may carry (``models.contract.PARAM_AXES``; docs/models.md)."""

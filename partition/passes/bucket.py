@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from shardfn.partition.layouts.axes import DEFAULT_BUCKET_BYTES
+from shardfn.partition.passes import DEFAULT_BUCKET_BYTES
 from shardfn.partition.spmd.fx import is_view
 from shardfn.partition.spmd.lower import collective_nodes
 
