@@ -145,7 +145,6 @@ def trace_step(cfg, *, dtype: torch.dtype = torch.float32):
         traced = trace_step(load_config("llama_tiny", ["mesh.tp=2"]))
         traced.graph_module.graph
     """
-    from shardfn.partition.api import run_passes
     from shardfn.partition.local_map import mesh_scope
     from shardfn.partition.spmd.trace import trace
 
@@ -153,7 +152,7 @@ def trace_step(cfg, *, dtype: torch.dtype = torch.float32):
     jitted = step.jitted
     with mesh_scope(jitted.mesh):
         traced = trace(jitted.fn, args)
-    return run_passes(jitted.passes, "after_trace", traced)
+    return jitted.passes.run("after_trace", traced)
 
 
 def lower_pipeline(cfg, layout=None, *, dtype: torch.dtype = torch.float32):

@@ -33,7 +33,7 @@ from shardfn.partition.layouts.axes import (
     seq_split,
     state_specs,
 )
-from shardfn.partition.passes.remat import remat_pass
+from shardfn.partition.passes.points import PassPipeline
 from shardfn.partition.spec import P, entry_axes
 from shardfn.partition.spmd.context_rules import balanced_batch
 from shardfn.runtime.step import Step, identity_state
@@ -175,17 +175,10 @@ def overlaps(cfg, mesh=None) -> bool:
     return True
 
 
-def _passes(cfg, mesh=None) -> dict | None:
+def _passes(cfg, mesh=None) -> PassPipeline:
     """The graph passes a run config asks for on ``mesh``: ``train.remat`` after trace,
-    ``partition.overlap`` after lower (``docs/passes.md``)."""
-    passes = {}
-    if cfg.train.remat != "none":
-        passes["after_trace"] = [remat_pass(cfg.train.remat)]
-    if overlaps(cfg, mesh):
-        from shardfn.partition.passes.overlap import overlap_pass
-
-        passes["after_lower"] = [overlap_pass(cfg.partition.overlap_bytes)]
-    return passes or None
+    ``partition.overlap`` after lower (``partition/passes/points.py``, ``docs/passes.md``)."""
+    return PassPipeline(remat=cfg.train.remat, overlap=overlaps(cfg, mesh), overlap_bytes=cfg.partition.overlap_bytes)
 
 
 def distribute(tree: Any, specs: Any, mesh) -> Any:

@@ -34,6 +34,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from shardfn.core import _torch_private as private
 from shardfn.partition.local_map import mesh_scope
+from shardfn.partition.passes.points import PassPipeline
 from shardfn.partition.pipeline.fiw import joint_graph, set_programs, split_fiw, split_joint
 from shardfn.partition.pipeline.split import Stage, TensorSpec
 from shardfn.partition.spec import P, check_divisible
@@ -216,6 +217,7 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
     with mesh_scope(mesh):
         joint = lower(traced, mesh, in_pl, out_pl, stored=stored, fsdp_axes=fsdp_axes,
                       sequence_parallel=sequence_parallel)
+        joint.graph_module = PassPipeline().run("after_lower", traced, joint.graph_module)
     head = 1 + has_x
     grads = dict(zip(stage.param_paths, joint.out_placements[head:]))
     layout = dataclasses.replace(layout, grads=grads)

@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.passes.grouped_heads import read_grouped_heads
 from shardfn.partition.spmd.propagate import ShardingError, ShardingInterpreter
 from shardfn.partition.spmd.trace import Traced
 
@@ -100,7 +99,6 @@ def lower(
     example = local_inputs(traced, mesh, in_placements)
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
-    read_grouped_heads(gm)  # local shapes: the fused attention kernels read key/value groups without repeats
     return Lowered(gm, list(in_placements), kept, example)
 
 
