@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "examples" / "hardware"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "examples" / "hardware"
 """Where named profiles live (``load_hardware("h100")`` reads ``h100.yaml`` here)."""
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
