@@ -88,7 +88,9 @@ CONFIG_FACTS = {"shardfn.partition", "shardfn.partition.errors", "shardfn.partit
                 "shardfn.partition.spmd", "shardfn.partition.spmd.fx",
                 "shardfn.partition.layouts", "shardfn.partition.layouts.axes",
                 "shardfn.partition.passes", "shardfn.partition.passes.remat",
-                "shardfn.partition.pipeline", "shardfn.partition.pipeline.schedules"}
+                "shardfn.partition.pipeline", "shardfn.partition.pipeline.schedules",
+                *(f"shardfn.partition.pipeline.schedules.{m}" for m in (
+                    "types", "generators", "dependencies", "simulate", "validate", "communication", "files", "text"))}
 
 
 def test_shardfn_params_loads_no_partitioner_runtime_or_planner():
