@@ -126,7 +126,7 @@ class TrainConfig:
     # (core/regional.py; first step ~ one layer's compile), "whole" the whole step as one graph; under a
     # mesh, any of them compiles each rank's program with inductor
     compile: Union[bool, str] = False
-    init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf.py)
+    init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf/)
     nonfinite: str = "raise"  # a NaN/Inf loss or grad_norm: "raise" stops the run, "skip" skips that update
     precision: str = "fp32"  # "bf16": fp32 master weights and optimizer state, bf16 compute (core/precision.py)
     reduce_dtype: str = "fp32"  # the dtype gradient sums travel in between ranks

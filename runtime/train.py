@@ -107,7 +107,7 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
         log, metrics_path = (lambda line: None), None  # one voice: rank 0 logs and writes metrics
     device = local_device(cfg.runtime.device)  # "cuda": this rank's cuda:LOCAL_RANK
     model = models.get(cfg.model_name)
-    if t.init_from:  # Hugging Face safetensors (models/hf.py); checkpoints still resume over them
+    if t.init_from:  # Hugging Face safetensors (models/hf/); checkpoints still resume over them
         from shardfn.models import hf
 
         def source(regions):
