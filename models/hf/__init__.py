@@ -62,7 +62,7 @@ tensor without its scale is an error naming it. Read through :class:`Safetensors
 reads only its rows and columns of each HF tensor (and of its grid of scales), through
 safetensors' ``get_slice``; the MLA rope rows, permuted within a head, are read by whole heads.
 
-RoPE: our layers use the "rotate half" convention (``core.layers.apply_rope``: dims ``i`` and
+RoPE: our layers use the "rotate half" convention (``core.rope.apply_rope``: dims ``i`` and
 ``i + d/2`` share frequency ``i``), which is HF Llama's own (its conversion script permuted
 Meta's interleaved ``wq``/``wk`` rows), so Llama weights load as they are. HF DeepSeek-V3
 (``rope_interleave: true``, its default, and DeepSeek's own modelling code) stores each rotary

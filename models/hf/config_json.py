@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from shardfn.core.layers import ROPE_SCALINGS, RopeScaling
+from shardfn.core.rope import ROPE_SCALINGS, RopeScaling
 from shardfn.models.hf.names import _supported_list, named_model, supported_architectures
 
 AT_LEAST = ("num_nextn_predict_layers",)
