@@ -89,7 +89,7 @@ class MeshConfig:
 class CheckpointConfig:
     every: int = 0  # save every N steps (and after the last); 0 disables checkpointing
     # step_XXXXXXXX/ directories (runtime/checkpoint.py), any mesh loads any; null: the run's own,
-    # runs/<config name>-<hash of the model, train and data keys> (checkpoint.run_directory)
+    # runs/<config name>-<hash of the model, train and data keys> (runtime.run_identity.run_directory)
     dir: Union[str, None] = None
     keep: int = 2  # number of most recent complete checkpoints kept
     # auto: resume from the newest complete checkpoint in dir when every > 0; true (--resume):

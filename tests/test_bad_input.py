@@ -372,7 +372,7 @@ def test_checkpoint_load_of_an_empty_dir(tmp_path):
 
 @pytest.mark.parametrize("layout", ["missing-dir", "only-a-killed-save"])
 def test_resume_from_a_dir_with_nothing_to_resume(layout, tmp_path, capsys):
-    from shardfn.runtime import checkpoint as ck
+    from shardfn.runtime import run_identity as ri
 
     d = tmp_path / "ckpt"
     if layout == "only-a-killed-save":
@@ -380,7 +380,7 @@ def test_resume_from_a_dir_with_nothing_to_resume(layout, tmp_path, capsys):
     cfg = load_config(None, ["train.checkpoint.resume=true", f"train.checkpoint.dir={d}"])
     with pytest.raises(ValueError, match=r"train\.checkpoint\.resume=true \(--resume\), but train\.checkpoint\.dir="
                                          r".*ckpt' holds no complete checkpoint; point it at the run's directory"):
-        ck.resume_path(cfg.train.checkpoint)
+        ri.resume_path(cfg.train.checkpoint)
     assert cli.main(["train", "--resume", f"train.checkpoint.dir={d}"]) == 2
     assert "start without --resume" in capsys.readouterr().err
 
