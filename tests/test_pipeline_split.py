@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn.core.pytree import tree_leaves
-from shardfn.partition.cost.model import flops
+from shardfn.partition.cost import flops
 from shardfn.partition.pipeline import split as pl
 from shardfn.partition.pipeline.split import PipelineError, build_pipeline, merge_params, stage_params
 from shardfn.partition.spmd import fx as fxh
