@@ -49,9 +49,9 @@ _EXPORTS = {
     "grad": ("shardfn.core.transforms", "grad"),
     "stop_gradient": ("shardfn.core.transforms", "stop_gradient"),
     "optim": ("shardfn.core.optim", None),
-    "remat": ("shardfn.partition.remat", "rematerialized"),
-    "checkpoint": ("shardfn.partition.remat", "rematerialized"),
-    "remat_pass": ("shardfn.partition.remat", "remat_pass"),
+    "remat": ("shardfn.partition.passes.remat", "rematerialized"),
+    "checkpoint": ("shardfn.partition.passes.remat", "rematerialized"),
+    "remat_pass": ("shardfn.partition.passes.remat", "remat_pass"),
     "with_policy": ("shardfn.core.precision", "with_policy"),
     "PrecisionPolicy": ("shardfn.core.precision", "Policy"),
     "precision_policy": ("shardfn.core.precision", "get_policy"),
@@ -80,7 +80,7 @@ class _CheckpointPolicies:
 
     @property
     def saves_matmuls(self):
-        from shardfn.partition.remat import saves_matmuls
+        from shardfn.partition.passes.remat import saves_matmuls
 
         return saves_matmuls
 

@@ -16,7 +16,7 @@ the valid ones.
 
 ``rules`` maps logical axis names (the names models give their dims, plus the activation axes
 ``batch`` and ``seq``) to a mesh axis, a list of mesh axes, or null (replicated). The file's rules
-are merged over ``partition.layouts.DEFAULT_RULES``, so a file only states what it changes. The
+are merged over ``partition.layouts.axes.DEFAULT_RULES``, so a file only states what it changes. The
 layout facts themselves (mesh axes, default rules, schedule names, divisibility) live in
 ``shardfn.partition``; this module only reads and validates the file.
 """
@@ -35,9 +35,8 @@ import yaml
 
 from shardfn.core.precision import DTYPES, PRECISIONS
 from shardfn.core.units import parse_bytes
-from shardfn.partition.layouts import (
+from shardfn.partition.layouts.axes import (
     AXIS_ORDER,
-    DEFAULT_BUCKET_BYTES,
     DEFAULT_RULES,
     LOGICAL_AXES,
     check_batch,
@@ -47,8 +46,9 @@ from shardfn.partition.layouts import (
     resolve_rules,
     seq_split,
 )
-from shardfn.partition.remat import POLICIES as REMAT_POLICIES
-from shardfn.partition.schedules import SCHEDULES, canonical_name
+from shardfn.partition.passes import DEFAULT_BUCKET_BYTES
+from shardfn.partition.passes.remat import POLICIES as REMAT_POLICIES
+from shardfn.partition.pipeline.schedules import SCHEDULES, canonical_name
 from shardfn.partition.spec import entry_axes
 
 CONFIG_DIR = Path(__file__).resolve().parent / "examples" / "configs"
@@ -67,7 +67,7 @@ class MeshConfig:
     pp: int = 1  # pipeline stages
     dp: int = 1  # data parallel (replicated parameters)
     fsdp: int = 1  # fully sharded data parallel (ZeRO-3)
-    cp: int = 1  # context parallel: the sequence split (partition.context)
+    cp: int = 1  # context parallel: the sequence split (partition.spmd.context_rules)
     ep: int = 1  # expert parallel
     tp: int = 1  # tensor parallel
 
@@ -77,7 +77,7 @@ class MeshConfig:
 
     def axes(self) -> dict[str, int]:
         """``{"pp": .., "dp": .., "fsdp": .., "ep": .., "tp": ..}``, major to minor (for ``sf.Mesh``),
-        with ``"cp"`` after ``fsdp`` when it is > 1 (``partition.layouts.mesh_axes``)."""
+        with ``"cp"`` after ``fsdp`` when it is > 1 (``partition.layouts.axes.mesh_axes``)."""
         return mesh_axes({name: getattr(self, name) for name in AXIS_ORDER})
 
     def validate(self) -> None:
@@ -89,7 +89,7 @@ class MeshConfig:
 class CheckpointConfig:
     every: int = 0  # save every N steps (and after the last); 0 disables checkpointing
     # step_XXXXXXXX/ directories (runtime/checkpoint.py), any mesh loads any; null: the run's own,
-    # runs/<config name>-<hash of the model, train and data keys> (checkpoint.run_directory)
+    # runs/<config name>-<hash of the model, train and data keys> (runtime.run_identity.run_directory)
     dir: Union[str, None] = None
     keep: int = 2  # number of most recent complete checkpoints kept
     # auto: resume from the newest complete checkpoint in dir when every > 0; true (--resume):
@@ -126,11 +126,11 @@ class TrainConfig:
     # (core/regional.py; first step ~ one layer's compile), "whole" the whole step as one graph; under a
     # mesh, any of them compiles each rank's program with inductor
     compile: Union[bool, str] = False
-    init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf.py)
+    init_from: Union[str, None] = None  # a directory of HF-format *.safetensors: the initial params (models/hf/)
     nonfinite: str = "raise"  # a NaN/Inf loss or grad_norm: "raise" stops the run, "skip" skips that update
     precision: str = "fp32"  # "bf16": fp32 master weights and optimizer state, bf16 compute (core/precision.py)
     reduce_dtype: str = "fp32"  # the dtype gradient sums travel in between ranks
-    remat: str = "none"  # activation checkpointing: none | full | selective (partition/remat.py)
+    remat: str = "none"  # activation checkpointing: none | full | selective (partition/passes/remat.py)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
@@ -170,7 +170,7 @@ class DataConfig:
 
 @dataclass
 class PipelineConfig:
-    schedule: str = "1f1b"  # a schedule name (partition.schedules.SCHEDULES)
+    schedule: str = "1f1b"  # a schedule name (partition.pipeline.schedules.SCHEDULES)
     microbatches: int = 1  # per step (and per data-parallel rank)
     stages: Union[int, None] = None  # null: one stage per pp rank
     # with an MoE exchange in the stages: each overlapped pair (DualPipeV's F + the other chunk's B)
@@ -202,7 +202,7 @@ class PartitionConfig:
     # say "25MiB"); 0 or null: one collective per tensor. 25 MiB is DDP's bucket_cap_mb default
     bucket_bytes: Union[int, None] = DEFAULT_BUCKET_BYTES
     # collectives issued as early as their inputs allow and waited on at first use
-    # (partition/overlap.py); null: on where parameters are stored sharded (mesh.fsdp > 1), whose
+    # (partition/passes/overlap.py); null: on where parameters are stored sharded (mesh.fsdp > 1), whose
     # gathers it prefetches, measured faster there and not elsewhere (docs/passes.md);
     # overlap_bytes bounds the gathered bytes issued ahead ("64MiB";
     # null: two layers' worth, FSDP's prefetch of one layer ahead)
@@ -238,7 +238,7 @@ class PartitionConfig:
         _check(self.auto_mip_gap >= 0, "partition.auto_mip_gap", "must be >= 0 (0.05: within 5% of the bound)",
                self.auto_mip_gap)
         if self.auto:
-            from shardfn.partition.hardware import available_hardware, load_hardware
+            from shardfn.partition.cost.hardware import available_hardware, load_hardware
 
             try:
                 load_hardware(self.auto_hardware)

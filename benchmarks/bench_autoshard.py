@@ -71,7 +71,7 @@ def run_case(name: str, case: dict, *, hardware: str, time_limit_s: float) -> di
     import shardfn as sf
     from shardfn.partition import auto
     from shardfn.partition.local_map import mesh_scope
-    from shardfn.partition.trace import trace
+    from shardfn.partition.spmd.trace import trace
 
     mesh = sf.Mesh(case["mesh"], fake=True)
     step, args, param_axes = train_step_args(case["config"], case["overrides"], mesh)

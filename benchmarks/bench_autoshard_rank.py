@@ -108,7 +108,7 @@ def _worker(overrides, rounds: int, hardware: dict):
     import shardfn as sf
     from shardfn.partition import auto
     from shardfn.partition.api import jit_auto
-    from shardfn.partition.hardware import Hardware, load_hardware
+    from shardfn.partition.cost.hardware import Hardware, load_hardware
     from shardfn.runtime.launch import progress
 
     torch.set_num_threads(1)
@@ -155,7 +155,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     a = ap.parse_args()
 
-    from shardfn.partition.hardware import load_hardware
+    from shardfn.partition.cost.hardware import load_hardware
     from shardfn.runtime.launch import spawn
 
     compute = measure_compute()

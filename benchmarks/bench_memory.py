@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from shardfn import models
     from shardfn.config import load_config
     from shardfn.core.pytree import tree_map
-    from shardfn.partition.remat import remat
-    from shardfn.partition.report import peak_temporary_bytes
-    from shardfn.partition.trace import flatten_args, trace
+    from shardfn.partition.passes.remat import remat
+    from shardfn.partition.spmd.report import peak_temporary_bytes
+    from shardfn.partition.spmd.trace import flatten_args, trace
     from shardfn.runtime import data
     from shardfn.runtime.train_step import make_optimizer, make_train_step, precision_policy
 

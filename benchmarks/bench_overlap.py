@@ -6,7 +6,7 @@ pair of measurements (the order rotates from pair to pair), on the same inputs e
 
 - ``before``: the program as the partitioner lowers it, every collective waited on at once, and
   (ep2) the MoE layer's shared experts computed after the routed ones;
-- ``after``: ``partition.overlap`` on (``partition/overlap.py``), and (ep2) the shared experts
+- ``after``: ``partition.overlap`` on (``partition/passes/overlap.py``), and (ep2) the shared experts
   handed to the expert exchange, computed while its dispatch is in flight;
 - ``after_chunked`` (ep2): ``after`` with ``partition.ep_chunks=2``: the tokens exchanged in two
   groups, one group's all-to-all in flight while the experts run on the other's;

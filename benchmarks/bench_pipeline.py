@@ -51,8 +51,8 @@ def _rank(args: dict) -> dict:
 
     import shardfn as sf
     from shardfn.core import optim
-    from shardfn.partition.schedules import get_schedule
-    from shardfn.partition.stages import build_pipeline
+    from shardfn.partition.pipeline.schedules import get_schedule
+    from shardfn.partition.pipeline.split import build_pipeline
     from shardfn.runtime import executor
     from shardfn.runtime.pipeline_step import make_pipeline_step
 
@@ -163,7 +163,7 @@ def _mean_costs(events: list[dict]) -> dict[str, float]:
 
 
 def summarize(name: str, pp: int, m: int, runs_per_rank: list[list[dict]]) -> dict:
-    from shardfn.partition.schedules import get_schedule, simulate
+    from shardfn.partition.pipeline.schedules import get_schedule, simulate
     from shardfn.runtime import executor
 
     sched = get_schedule(name, pp, m, communication=False)

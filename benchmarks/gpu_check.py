@@ -18,9 +18,9 @@ not stop the others, and the exit status is 1 if any failed):
     gqa         the per-rank program of the step on a one-rank mesh (NCCL on cuda): which fused
                 attention op the trace holds, the key/value head count each one reads, and that
                 no repeated key/value copy (``clone`` of an ``expand``) or group sum is left
-                (``partition/grouped_heads.py``).
+                (``partition/passes/grouped_heads.py``).
     gemm        achieved bf16 GEMM rates at the shapes of the planner's rate table
-                (``partition.hardware.EFFICIENCY``: a smallest dim of 64 ... 8192, the others
+                (``partition.cost.hardware.EFFICIENCY``: a smallest dim of 64 ... 8192, the others
                 8192) and a causal flash attention forward + backward (head dim 128), side by
                 side with the table's shares of peak.
     tests       (cuda only) the ``cuda``-marked tests: ``python -m pytest -q -m cuda tests``.
@@ -112,7 +112,7 @@ def card_profile(device: torch.device) -> str | None:
 
 
 def _peak(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float | None:
-    from shardfn.partition.hardware import load_hardware
+    from shardfn.partition.cost.hardware import load_hardware
 
     profile = card_profile(device)
     return load_hardware(profile).peak_flops(dtype) if profile else None
@@ -335,7 +335,7 @@ def check_gqa(device: torch.device, size: dict, args) -> dict:
     import torch.distributed as dist
 
     from shardfn import models
-    from shardfn.partition.grouped_heads import KERNELS
+    from shardfn.partition.passes.grouped_heads import KERNELS
     from shardfn.runtime.partitioned import mesh_step
     from shardfn.runtime.train_step import make_optimizer
 
@@ -383,7 +383,7 @@ def check_gqa(device: torch.device, size: dict, args) -> dict:
 
 
 def check_gemm(device: torch.device, size: dict, args) -> dict:
-    from shardfn.partition.hardware import efficiency
+    from shardfn.partition.cost.hardware import efficiency
 
     profile = card_profile(device)
     eff = efficiency(profile or "")

@@ -132,7 +132,8 @@ def export_config(path: Path, config: str | None, overrides: list[str]):
         export_config(Path("runs/x/step_00000100"), None, [])
     """
     from shardfn.config import config_from_dict, load_config
-    from shardfn.runtime.checkpoint import META, config_changes, read_meta
+    from shardfn.runtime.checkpoint import META, read_meta
+    from shardfn.runtime.run_identity import config_changes
 
     saved = read_meta(path).get("config")
     if config is None and not saved:

@@ -24,7 +24,7 @@ _DTYPES = ("float32", "bfloat16")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``shardfn plan`` (``--config`` and ``section.key=value`` included)."""
     from shardfn.cli.common import add_config_arguments
-    from shardfn.partition.hardware import available_hardware
+    from shardfn.partition.cost.hardware import available_hardware
 
     add_config_arguments(parser)
     parser.add_argument("--hardware", default="h200", metavar="NAME",
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
 def _search(cfg, args: argparse.Namespace, dtype) -> int:
     from shardfn import plan as planner
     from shardfn.cli.common import UsageError
-    from shardfn.partition.schedules import SCHEDULES, canonical_name
+    from shardfn.partition.pipeline.schedules import SCHEDULES, canonical_name
 
     if not args.gpus:
         raise UsageError("--search needs --gpus N, the number of devices to lay the run out on")

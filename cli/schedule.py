@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Optional, Sequence
 
-from shardfn.partition import schedules as S
+from shardfn.partition.pipeline import schedules as S
 
 HELP = "print, validate, time and plot a pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1, DualPipeV)"
 

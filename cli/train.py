@@ -51,15 +51,15 @@ def check_before_launch(cfg) -> None:
     missing or too short data file, a ``train.init_from`` that is not a Hugging Face directory,
     ``--resume`` with nothing to resume, or a checkpoint to resume that holds another model.
 
-    ``cfg.train.checkpoint.dir`` must be set (``checkpoint.with_run_directory``).
+    ``cfg.train.checkpoint.dir`` must be set (``run_identity.with_run_directory``).
 
     Example:
         check_before_launch(with_run_directory(load_config(None, ["data.path=missing.txt"])))  # UsageError
     """
     from shardfn import models
     from shardfn.partition.errors import LayoutError
-    from shardfn.partition.layouts import check_run
-    from shardfn.runtime import checkpoint, data
+    from shardfn.partition.layouts.axes import check_run
+    from shardfn.runtime import data, run_identity
 
     try:  # a layout that cannot run
         check_run(models.get(cfg.model_name), cfg)
@@ -75,16 +75,16 @@ def check_before_launch(cfg) -> None:
             if hf_config is not None:
                 hf.check_hf_config(hf_config, cfg.model_name, cfg.model,
                                    source=os.path.join(cfg.train.init_from, "config.json"))
-        found = checkpoint.resume_path(cfg.train.checkpoint)  # --resume with nothing to resume
+        found = run_identity.resume_path(cfg.train.checkpoint)  # --resume with nothing to resume
         if found is not None:
-            checkpoint.check_resume(found, cfg.to_dict())  # a checkpoint of another model
+            run_identity.check_resume(found, cfg.to_dict())  # a checkpoint of another model
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardfn.runtime.checkpoint import with_run_directory
     from shardfn.runtime.errors import RunError
+    from shardfn.runtime.run_identity import with_run_directory
     from shardfn.runtime.train import train
 
     if args.resume:

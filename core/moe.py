@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from shardfn.core.grouped_mm import grouped_mm
-from shardfn.core.layers import scope, swiglu
+from shardfn.core.layers import swiglu
+from shardfn.core.scope import scope
 
 __all__ = [
     "Routing", "Dispatch", "router_scores", "route", "expert_counts", "tokens_per_expert", "dispatch", "expert_compute",

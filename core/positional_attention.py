@@ -2,12 +2,12 @@
 
 Each query attends to the keys whose position is at most its own. Positions are given per token
 (``[B, S]`` int64), so the tokens of a sequence may come in any order: a layout that splits the
-sequence over ranks (context parallelism, ``partition.context``) permutes them for load balance
+sequence over ranks (context parallelism, ``partition.spmd.context_rules``) permutes them for load balance
 and passes each token's true position. With ``positions = arange(S)`` the result is causal
 attention.
 
 The forward and its backward are two custom ops, so the partitioner sees each whole and shards
-them by the rules in ``partition.context`` (queries split over the sequence, keys and values
+them by the rules in ``partition.spmd.context_rules`` (queries split over the sequence, keys and values
 gathered); their math is plain ``scaled_dot_product_attention`` with a boolean mask, and the
 backward recomputes the forward under ``torch.func.vjp`` (no ``[S, S]`` probabilities are kept).
 

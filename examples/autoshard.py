@@ -15,7 +15,7 @@ import shardfn as sf
 from shardfn import P
 from shardfn.core.units import format_bytes
 from shardfn.partition import auto
-from shardfn.partition.trace import trace
+from shardfn.partition.spmd.trace import trace
 
 DIM, HIDDEN, BATCH = 1024, 4096, 64
 

@@ -17,7 +17,7 @@ import torch
 
 import shardfn as sf
 from shardfn import P
-from shardfn.partition.flops import node_flops
+from shardfn.partition.cost.flops import node_flops
 
 aten = torch.ops.aten
 

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import sys
 import time
@@ -22,14 +21,15 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardfn.core._torch_private import dtensor_wrapper, local_shard_slices
-from shardfn.partition import report
-from shardfn.partition.bucket import bucket_collectives, check_bucket_bytes, functional_collectives
-from shardfn.partition.inplace import in_place_copy
 from shardfn.partition.local_map import mesh_scope
-from shardfn.partition.lower import Lowered, lower
 from shardfn.partition.mesh import Mesh
+from shardfn.partition.passes.bucket import functional_collectives
+from shardfn.partition.passes.inplace import in_place_copy
+from shardfn.partition.passes.points import PASS_POINTS, PassPipeline  # noqa: F401  (sf.jit's pass points)
 from shardfn.partition.spec import broadcast_specs, check_divisible, is_auto, is_spec
-from shardfn.partition.trace import Traced, flatten_args, trace
+from shardfn.partition.spmd import report
+from shardfn.partition.spmd.lower import Lowered, lower
+from shardfn.partition.spmd.trace import Traced, flatten_args, trace
 
 log = logging.getLogger("shardfn.jit")
 
@@ -169,39 +169,6 @@ class LoweredStep:
         ]
 
 
-PASS_POINTS = ("after_trace", "after_propagate", "after_lower")
-"""Where ``sf.jit(..., passes=)`` runs graph passes, in the order of the flow."""
-
-
-def check_passes(passes: Mapping[str, Sequence[Callable]] | None) -> dict[str, list[Callable]]:
-    """``passes`` as ``{point: [pass, ...]}``, refusing an unknown point or a pass that is not callable."""
-    out: dict[str, list[Callable]] = {}
-    for point, fns in (passes or {}).items():
-        if point not in PASS_POINTS:
-            raise ValueError(f"sf.jit passes: unknown point {point!r}; passes run at {', '.join(PASS_POINTS)}")
-        fns = [fns] if callable(fns) else list(fns)
-        for fn in fns:
-            if not callable(fn):
-                raise TypeError(f"sf.jit passes[{point!r}]: {fn!r} is not a function GraphModule -> GraphModule")
-        out[point] = fns
-    return out
-
-
-def run_passes(passes: dict[str, list[Callable]], point: str, traced: Traced, gm: torch.fx.GraphModule | None = None):
-    """Run the passes at ``point`` on ``traced``'s global graph (or on ``gm``, a per-rank program,
-    which is then returned); each must return a GraphModule with the same inputs and outputs."""
-    target = traced.graph_module if gm is None else gm
-    for fn in passes.get(point, ()):
-        out = fn(target)
-        if not isinstance(out, torch.fx.GraphModule):
-            raise TypeError(f"sf.jit pass {getattr(fn, '__name__', fn)!r} at {point} returned "
-                            f"{type(out).__name__}; a pass returns the GraphModule it was given or a new one")
-        target = out
-    if gm is not None:
-        return target
-    return dataclasses.replace(traced, graph_module=target)
-
-
 class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
@@ -217,10 +184,7 @@ class Jitted:
         self.arg_names = arg_names
         self.memory_budget = memory_budget
         self.reshard_after_forward = reshard_after_forward
-        self.passes = check_passes(passes)
-        if bucket_bytes is not None:
-            check_bucket_bytes(bucket_bytes)
-        self.bucket_bytes = bucket_bytes
+        self.passes = PassPipeline.of(passes, bucket_bytes=bucket_bytes)  # the defaults asked for, then the user's
         self.verbose = verbose
         self.sequence_parallel = _sequence_axes(sequence_parallel, mesh)
         self._cache: dict[Any, LoweredStep] = {}
@@ -259,7 +223,7 @@ class Jitted:
         args = _global_stand_ins(args)  # a first call may pass DTensors (a resumed run's, or a step's own outputs)
         with mesh_scope(self.mesh):
             traced = trace(self.fn, args)
-        traced = run_passes(self.passes, "after_trace", traced)
+        traced = self.passes.run("after_trace", traced)
         result = None
         if _has_auto(self.in_specs):  # the solver chooses the specs; every other option applies as without it
             from shardfn.partition import auto
@@ -297,15 +261,12 @@ class Jitted:
 
         lowered = lower_traced(traced)
         report.annotate_transitions(traced.graph_module, lowered.graph_module, self.mesh)
-        if self.passes.get("after_propagate"):  # they read each node's meta["sf_placements"]
+        if self.passes.at("after_propagate"):  # they read each node's meta["sf_placements"]
             before = traced.graph_module.code
-            traced = run_passes(self.passes, "after_propagate", traced)
+            traced = self.passes.run("after_propagate", traced)
             if traced.graph_module.code != before:  # a rewrite: propagate and lower what it made
                 lowered = lower_traced(traced)
-        if self.bucket_bytes:  # before the user's after_lower passes, which see the buckets
-            lowered.graph_module = bucket_collectives(lowered.graph_module, self.bucket_bytes)
-        if self.passes.get("after_lower"):
-            lowered.graph_module = run_passes(self.passes, "after_lower", traced, lowered.graph_module)
+        lowered.graph_module = self.passes.run("after_lower", traced, lowered.graph_module)
         grads_role = None if "params" in roles or not self.fsdp_argnums else "+".join(
             dict.fromkeys(r for r, i in zip(roles, arg_of_leaf) if i in self.fsdp_argnums))
         step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None)
@@ -333,7 +294,7 @@ def jit(
     arg_names: Sequence[str] | None = None,
     memory_budget: float | None = None,
     reshard_after_forward: bool = True,
-    passes: Mapping[str, Sequence[Callable]] | None = None,
+    passes: Mapping[str, Sequence[Callable]] | PassPipeline | None = None,
     bucket_bytes: int | None = None,
     verbose: bool = False,
     sequence_parallel: str | Sequence[str] = (),
@@ -357,12 +318,14 @@ def jit(
         reshard_after_forward: ``fsdp_argnums`` values are gathered again for the backward (True,
             less memory) or gathered once, the copy kept for the backward (False, half the bytes).
         passes: graph passes (``GraphModule -> GraphModule``) by point of the flow:
-            ``after_trace`` (the global graph, e.g. ``partition.remat.remat_pass("full")``),
+            ``after_trace`` (the global graph, e.g. ``partition.passes.remat.remat_pass("full")``),
             ``after_propagate`` (the global graph with ``meta["sf_placements"]`` on each node;
             a rewrite is propagated and lowered again) and ``after_lower`` (the per-rank program,
-            collectives included). Each runs once per lowering, in order (``docs/passes.md``).
+            collectives included). Each runs once per lowering, in order, after the default
+            passes at its point (``partition/passes/points.py``, ``docs/passes.md``). A
+            ``PassPipeline`` sets the defaults too (``remat``, ``overlap``).
         bucket_bytes: coalesce gradient all-reduces and reduce-scatters into buckets of at most
-            this many bytes (``partition/bucket.py``; the run config's ``partition.bucket_bytes``
+            this many bytes (``partition/passes/bucket.py``; the run config's ``partition.bucket_bytes``
             defaults to 25 MiB, as DDP); None or 0: one collective per tensor. Runs before the
             ``after_lower`` passes.
         verbose: print one line (to stderr) when a signature is first lowered and when its program
@@ -413,6 +376,7 @@ def jit_auto(fn: Callable, mesh, args: tuple, *, arg_names: Sequence[str] | None
     in_pl = [result._problem._placements(s, m.ndim, where="input") for s, m in zip(in_specs, traced.in_meta)]
     out_pl = [result._problem._placements(s, m.ndim, where="output") for s, m in zip(result.out_specs, traced.out_meta)]
     lowered = lower(traced, mesh, in_pl, out_pl)
+    lowered.graph_module = PassPipeline().run("after_lower", traced, lowered.graph_module)
     roles = [arg_names[i] if arg_names else f"arg{i}" for i in _arg_index_of_leaves(tuple(args))]
     return LoweredStep(traced, lowered, mesh, in_specs, list(result.out_specs), roles), result
 

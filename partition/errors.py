@@ -1,6 +1,6 @@
 """``LayoutError``: a layout that cannot run, naming the config key to change.
 
-Raised by the layout checks (``partition.layouts``, ``partition.schedules``) that the run config,
+Raised by the layout checks (``partition.layouts.axes``, ``partition.pipeline.schedules``) that the run config,
 the runtime and the planner share, so each mistake gets one message wherever it is caught.
 
     raise LayoutError("mesh.ep", "3 does not divide model.n_experts = 8; use one of [1, 2, 4, 8]")

@@ -49,7 +49,7 @@ class Region:
     in_leaf_specs: list | None = None
     out_leaf_specs: list | None = None
     out_meta: list | None = None   # local output metadata, set when first traced
-    flops: Callable | None = None  # flops(*args) at global shapes (partition.flops.node_flops)
+    flops: Callable | None = None  # flops(*args) at global shapes (partition.cost.flops.node_flops)
 
     def call_flat(self, flat_inputs: list) -> list:
         args = optree.tree_unflatten(self.in_treedef, list(flat_inputs))

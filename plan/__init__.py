@@ -2,7 +2,7 @@
 simulated mesh of any size, without allocating a parameter; and a search over layouts.
 
 It sits above the runtime and asks the same functions a run uses: the layout checks and specs of
-``partition.layouts``, the schedules of ``partition.schedules``, and the run's own train step
+``partition.layouts.axes``, the schedules of ``partition.pipeline.schedules``, and the run's own train step
 (``runtime.partitioned``) lowered on a fake mesh. One module per part: ``layout`` (what to plan,
 and its checks), ``resolve`` (a run config resolved once), ``runmodel`` (the estimate),
 ``inventory`` (what each rank holds), ``profile`` (tracing a representative step), ``estimate``
@@ -46,7 +46,7 @@ Where each number comes from:
   ``[mb, seq, dim]`` activation forward and its gradient backward, per microbatch and boundary
   (counted from the schedule's send actions).
 - **In-flight microbatches** per pipeline rank come from the schedule's action lists
-  (``partition.schedules``): the most forwards whose backward has not run, weighted by each
+  (``partition.pipeline.schedules``): the most forwards whose backward has not run, weighted by each
   stage's activation bytes.
 - **The answer**: step time, tokens/s, MFU, peak memory and fit are the run model's estimate
   (``runmodel``, through ``resolve``: the config resolved once), in closed form from the

@@ -14,9 +14,9 @@ from typing import Iterable, Sequence
 import torch
 
 from shardfn import models
-from shardfn.partition.cost import Rates
-from shardfn.partition.hardware import Hardware
-from shardfn.partition.layouts import AXIS_ORDER
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import Rates
+from shardfn.partition.layouts.axes import AXIS_ORDER
 from shardfn.plan.inventory import (
     Leaf,
     ModelFacts,

@@ -17,9 +17,9 @@ import torch
 
 from shardfn import models
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.partition.layouts import param_specs, resolve_rules
+from shardfn.partition.layouts.axes import param_specs, resolve_rules
+from shardfn.partition.pipeline.split import split_costs
 from shardfn.partition.spec import P, shard_shape
-from shardfn.partition.stages import split_costs
 from shardfn.plan.layout import Layout, rank_stages
 from shardfn.runtime.train_step import make_optimizer
 
@@ -77,7 +77,7 @@ def mesh_leaves(model, model_cfg, axes: Mapping[str, int], rules: dict | None, d
 
 def stage_ranges(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> list[tuple[int, int]]:
     """Contiguous ``[start, end)`` layer ranges of the layout's pipeline stages: the split a run
-    makes (``partition.stages``: whole layers, the costliest stage as cheap as possible), from the
+    makes (``partition.pipeline.split``: whole layers, the costliest stage as cheap as possible), from the
     per-layer costs of a traced reduced model (:func:`layer_costs`).
 
     Example:
@@ -100,7 +100,7 @@ def stage_ranges(cfg, layout: Layout, dtype: torch.dtype = torch.float32) -> lis
 @functools.lru_cache(maxsize=64)
 def layer_costs(model_name: str, model_cfg, rows: int, seq_len: int, dtype: torch.dtype) -> tuple[float, ...] | None:
     """The cost of each layer of the model for balancing pipeline stages, as the runtime measures it
-    on its traced loss (``partition.stages.layer_units``; the embedding counts with the first layer,
+    on its traced loss (``partition.pipeline.split.layer_units``; the embedding counts with the first layer,
     the head with the last), for a microbatch of ``rows`` x ``seq_len`` tokens.
 
     A reduced model with three layers of each stack is traced (nothing is allocated): its middle
@@ -114,7 +114,7 @@ def layer_costs(model_name: str, model_cfg, rows: int, seq_len: int, dtype: torc
     """
     from shardfn import models
     from shardfn.core._torch_private import fake_mode
-    from shardfn.partition.stages import layer_units, trace_loss
+    from shardfn.partition.pipeline.split import layer_units, trace_loss
 
     model = models.get(model_name)
     stacks = model.stacks(model_cfg)

@@ -1,6 +1,6 @@
 """A layout to plan: mesh axis sizes, microbatches, schedule and checkpointing, and its checks.
 
-The checks are the ones a run makes (``partition.layouts``, ``partition.schedules``), so a layout
+The checks are the ones a run makes (``partition.layouts.axes``, ``partition.pipeline.schedules``), so a layout
 the planner accepts is one the runtime accepts, and each refusal names the same config key.
 
     layout = Layout(pp=16, ep=64, microbatches=32)
@@ -14,9 +14,9 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-from shardfn.partition.cost import intra_node_dims
+from shardfn.partition.cost.model import intra_node_dims
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import (
+from shardfn.partition.layouts.axes import (
     AXIS_ORDER,
     DATA_AXES,
     MESH_AXES,
@@ -26,7 +26,7 @@ from shardfn.partition.layouts import (
     check_stages,
     resolve_rules,
 )
-from shardfn.partition.schedules import SCHEDULES, canonical_name, get_schedule, simulate, stages_per_rank
+from shardfn.partition.pipeline.schedules import SCHEDULES, canonical_name, get_schedule, simulate, stages_per_rank
 
 PlanError = LayoutError
 """A layout that cannot run; ``key`` is the config key to change (``"mesh.ep"``)."""
@@ -40,7 +40,7 @@ class Layout:
     """One way to lay a run out: mesh axis sizes, microbatches, pipeline schedule, checkpointing.
 
     ``virtual`` is the number of stages per pipeline rank (``None``: the schedule's default,
-    ``partition.schedules.stages_per_rank``). ``cp`` splits the sequence (context parallelism);
+    ``partition.pipeline.schedules.stages_per_rank``). ``cp`` splits the sequence (context parallelism);
     it is listed with the axes only when > 1, as a run's mesh lists it.
 
     Example:
@@ -155,7 +155,7 @@ def check_layout(cfg, layout: Layout, *, gpus: int | None = None) -> None:
     """Raise :class:`PlanError` naming the config key when ``layout`` cannot run ``cfg``.
 
     Checks, in order: axis sizes, the world size against ``gpus``, the mesh against the model
-    (``partition.layouts.check_model``: ``pp`` against the layers, ``ep`` divides the experts,
+    (``partition.layouts.axes.check_model``: ``pp`` against the layers, ``ep`` divides the experts,
     ``tp`` the heads, every parameter dim the axes it is split over), the pipeline (stages,
     schedule, microbatches) and the batch against the data axes.
 
@@ -217,7 +217,7 @@ def _world_message(layout: Layout, gpus: int) -> str:
 
 
 def schedule_of(layout: Layout, *, communication: bool = True):
-    """The layout's pipeline schedule (``partition.schedules.get_schedule``), cached; without
+    """The layout's pipeline schedule (``partition.pipeline.schedules.get_schedule``), cached; without
     its P2P actions when ``communication`` is False (the compute order, the same makespan and
     in-flight counts, built in a fraction of the time)."""
     return _schedule_for(layout.schedule, layout.pp, layout.microbatches, layout.stages_per_rank, communication)

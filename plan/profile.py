@@ -21,10 +21,10 @@ import optree
 import torch
 
 from shardfn.core._torch_private.propagation import PropagationCache, shared_propagation
-from shardfn.partition.bucket import member_input
-from shardfn.partition.fx import ancestors, descendants, is_view, nbytes
-from shardfn.partition.layouts import mesh_axes
-from shardfn.partition.report import collectives, peak_temporary_bytes
+from shardfn.partition.layouts.axes import mesh_axes
+from shardfn.partition.passes.bucket import member_input
+from shardfn.partition.spmd.fx import ancestors, descendants, is_view, nbytes
+from shardfn.partition.spmd.report import collectives, peak_temporary_bytes
 
 FULL_TRACE_MAX_LAYERS = 4
 """Models with at most this many layers are traced whole (no per-layer scaling) when ``pp == 1``."""
@@ -104,8 +104,8 @@ def _step(cfg, dtype: torch.dtype):
     arguments ``(params, opt_state, batch)``."""
     from shardfn import models
     from shardfn.core._torch_private import fake_mode
-    from shardfn.partition.context import balanced_batch
     from shardfn.partition.mesh import fake_mesh
+    from shardfn.partition.spmd.context_rules import balanced_batch
     from shardfn.runtime.partitioned import mesh_step
     from shardfn.runtime.train_step import make_optimizer
 
@@ -145,15 +145,14 @@ def trace_step(cfg, *, dtype: torch.dtype = torch.float32):
         traced = trace_step(load_config("llama_tiny", ["mesh.tp=2"]))
         traced.graph_module.graph
     """
-    from shardfn.partition.api import run_passes
     from shardfn.partition.local_map import mesh_scope
-    from shardfn.partition.trace import trace
+    from shardfn.partition.spmd.trace import trace
 
     step, args = _step(cfg, dtype)
     jitted = step.jitted
     with mesh_scope(jitted.mesh):
         traced = trace(jitted.fn, args)
-    return run_passes(jitted.passes, "after_trace", traced)
+    return jitted.passes.run("after_trace", traced)
 
 
 def lower_pipeline(cfg, layout=None, *, dtype: torch.dtype = torch.float32):
@@ -168,7 +167,7 @@ def lower_pipeline(cfg, layout=None, *, dtype: torch.dtype = torch.float32):
         step.comm_report(1), step.memory_report(1)
     """
     from shardfn import models
-    from shardfn.partition.layouts import mesh_axes
+    from shardfn.partition.layouts.axes import mesh_axes
     from shardfn.partition.mesh import fake_mesh
     from shardfn.runtime.param_source import abstract
     from shardfn.runtime.pipeline_step import build_pipeline_step
@@ -253,7 +252,7 @@ def measure(lowered) -> Measure:
 
 
 def _unbucketed(rows: list[dict]) -> list[dict]:
-    """Collective rows with each bucket (``partition/bucket.py``) split back into one row per
+    """Collective rows with each bucket (``partition/passes/bucket.py``) split back into one row per
     tensor it carries: a plan counts collectives per tensor, so a layer's share scales with
     the layer count; buckets merge them at run time, bytes unchanged."""
     out = []

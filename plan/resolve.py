@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from shardfn.partition.cost import Rates
-from shardfn.partition.hardware import Hardware
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import Rates
 from shardfn.plan.layout import Layout, PlanError
 from shardfn.plan.runmodel import RunSpec, Shape, floor_bytes, model_shape, run_estimate
 
@@ -51,7 +51,7 @@ class Resolved:
         cfg: the run config with the planner's dtype applied (``train.remat`` as the config or
             ``checkpointing`` says; a layout's ``checkpointing`` picks ``full`` or ``none``).
         model: the model module (``models.get(cfg.model_name)``).
-        rates: the hardware's achieved rates (``partition.cost.Rates``); ``hardware`` its profile.
+        rates: the hardware's achieved rates (``partition.cost.model.Rates``); ``hardware`` its profile.
         capacity_bytes: ``partition.memory_budget`` if set, else the device's memory.
         budgeted: the capacity is the budget.
     """

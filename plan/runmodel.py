@@ -6,7 +6,7 @@ shape, attention is a flash kernel that keeps ``O(S)`` per row instead of the sc
 element-wise ops and the optimizer are bound by HBM, communication overlaps compute where the
 runtime prefetches it, and the allocator, the CUDA context and NCCL hold memory of their own.
 This module prices each of those in closed form from the model's parameter shapes, the layout
-and a hardware profile with its achieved-rate table (``partition.hardware.efficiency``). Every
+and a hardware profile with its achieved-rate table (``partition.cost.hardware.efficiency``). Every
 term is a named entry of the result, so a plan says where its time and bytes go.
 
     est = run_estimate(load_config("llama3_1_8b"), Layout(fsdp=8), hardware="h100_96gb",
@@ -14,7 +14,7 @@ term is a named entry of the result, so a plan says where its time and bytes go.
     est["tokens_per_s_per_device"], est["memory"]["reserved_bytes"] / 2**30
 
 Three constants are fitted, each on one published run (docs/plan.md says which): the sustained
-clock of the 500 W ``h100_96gb`` part (``partition.hardware.EFFICIENCY``),
+clock of the 500 W ``h100_96gb`` part (``partition.cost.hardware.EFFICIENCY``),
 :data:`EXPERT_LOAD_IMBALANCE` and :data:`EAGER_ELEMENTWISE_FACTOR`. Everything else is a
 datasheet number, a published measurement or a count.
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardfn.partition.cost import Rates
-from shardfn.partition.hardware import Hardware
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import Rates
 from shardfn.plan.layout import Layout, inflight, intra_node, makespan_units
 
 GIB = 1 << 30

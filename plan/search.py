@@ -21,8 +21,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from shardfn.core.units import format_bytes
-from shardfn.partition.hardware import Hardware
-from shardfn.partition.layouts import divisors
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.layouts.axes import divisors
 from shardfn.plan.estimate import make_plan
 from shardfn.plan.layout import Layout, PlanError, check_layout, check_layout_batch, check_mesh, check_pipeline
 from shardfn.plan.resolve import Resolved, resolve

@@ -17,7 +17,7 @@ import torch
 from shardfn import models
 from shardfn.core.pytree import PyTree
 from shardfn.core.regional import with_compiled_layers
-from shardfn.partition.remat import rematerialized
+from shardfn.partition.passes.remat import rematerialized
 from shardfn.runtime.param_source import full_tree
 from shardfn.runtime.step import Step, identity_state
 from shardfn.runtime.train_step import make_optimizer, make_train_step, precision_policy
@@ -53,7 +53,7 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
 def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
     """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors; with ``train.compile``
     its repeated layer compiled once (``whole``: the whole step as one graph); ``train.precision``
-    its compute dtype, ``train.remat`` run as the traced step rewritten by ``partition.remat``.
+    its compute dtype, ``train.remat`` run as the traced step rewritten by ``partition.passes.remat``.
     ``like`` gives the tree's shapes for a ``place`` from a source.
 
     Example:

@@ -1,7 +1,7 @@
 """Run a pipeline schedule on this rank: F / I / W programs, P2P batches, traces.
 
-:func:`run_schedule` executes one rank's action list from ``shardfn.partition.schedules`` with the
-stage programs of ``shardfn.partition.stages``: ``F`` runs a stage's forward and keeps the
+:func:`run_schedule` executes one rank's action list from ``shardfn.partition.pipeline.schedules`` with the
+stage programs of ``shardfn.partition.pipeline.split``: ``F`` runs a stage's forward and keeps the
 values its backward needs per ``(stage, microbatch)``; ``I`` turns the output gradient into the
 input gradient; ``W`` adds the parameter gradients into an accumulator; ``B`` is ``I`` then
 ``W``. Each run of adjacent communication actions is one ``batch_isend_irecv`` over the ``pp``
@@ -10,7 +10,7 @@ first used (the compute action that reads it), so a message travels while the co
 that runs: in DualPipeV's overlapped pairs, the backward's gradient arrives during the other
 chunk's forward. That only waits later than the blocking batches the schedule validator checks,
 so a validated schedule cannot deadlock. Buffers have static shapes, known from the fake trace.
-With ``overlap_pairs``, each overlapped pair (``partition.schedules.pair_overlaps``: an ``F`` and
+With ``overlap_pairs``, each overlapped pair (``partition.pipeline.schedules.pair_overlaps``: an ``F`` and
 the other chunk's ``B``) runs as one step whose two members take turns at their MoE exchange
 waits (``runtime.interleave``), one computing while the other's all-to-all is in flight; on a
 GPU the second member runs on its own CUDA stream, joined with the rank's at the pair's start
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.partition.schedules import Action, Schedule, add_communication, group_steps, pair_overlaps
-from shardfn.partition.stages import Pipeline
+from shardfn.partition.pipeline.schedules import Action, Schedule, add_communication, group_steps, pair_overlaps
+from shardfn.partition.pipeline.split import Pipeline
 from shardfn.runtime.interleave import run_pair
 
 # ----------------------------------------------------------------------------- one schedule run
@@ -324,7 +324,7 @@ def run_schedule(
     """Run ``schedule.actions[pp_rank]`` with ``pipe``'s stage programs.
 
     Args:
-        pipe: from :func:`~shardfn.partition.stages.build_pipeline`, with ``schedule.n_stages`` stages.
+        pipe: from :func:`~shardfn.partition.pipeline.split.build_pipeline`, with ``schedule.n_stages`` stages.
         schedule: a schedule with communication (one without gets it via ``add_communication``).
         pp_rank: this rank's index in the ``pp`` group (the schedule's rank).
         params: ``stage -> {path: held tensor}`` for this rank's stages (:func:`stage_params`).
@@ -333,7 +333,7 @@ def run_schedule(
         record: time every step (for :func:`write_chrome_trace`) and track held bytes.
         receive_at: ``"use"``: wait on each receive at the compute that reads it; ``"post"``: at
             the batch that posts it (the blocking batches the validator models; for comparison).
-        overlap_pairs: run each overlapped pair (``partition.schedules.pair_overlaps``: an ``F``
+        overlap_pairs: run each overlapped pair (``partition.pipeline.schedules.pair_overlaps``: an ``F``
             and the other chunk's ``B``, adjacent) as one step whose members take turns at their
             MoE exchange waits (``runtime.interleave``): one computes while the other's
             all-to-all is in flight. Every rank of a run must pass the same value.

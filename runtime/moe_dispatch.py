@@ -409,7 +409,7 @@ class ExpertRegion:
 
     def __init__(self, mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
                  capacity_factor: float = 0.0, shared: bool = False, chunks: int = 1):
-        from shardfn.partition.layouts import check_divides
+        from shardfn.partition.layouts.axes import check_divides
         from shardfn.partition.local_map import local_map
         from shardfn.partition.spec import P
 
@@ -449,7 +449,7 @@ class ExpertRegion:
 
 
 def _region_flops(x, idx, weights, w1, w2, w3, *shared) -> float:
-    from shardfn.partition.flops import expert_flops
+    from shardfn.partition.cost.flops import expert_flops
 
     return expert_flops(x, idx, w1, shared[0] if shared else None)
 

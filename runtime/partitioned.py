@@ -3,7 +3,7 @@
 The layout comes from the config alone: ``mesh`` sizes and logical-axis ``rules`` give a spec
 for every parameter, the optimizer state follows the parameters, the global batch is split over
 the data axes (and its sequence over ``cp``, in the load-balanced order of
-``partition.context``), and gradients are constrained to the parameters' specs (so under ``fsdp`` they
+``partition.spmd.context_rules``), and gradients are constrained to the parameters' specs (so under ``fsdp`` they
 are reduce-scattered, under ``dp`` all-reduced). Model code is untouched.
 
     step = mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))
@@ -24,8 +24,7 @@ import shardfn as sf
 from shardfn import models
 from shardfn.core import optim
 from shardfn.core.pytree import tree_map
-from shardfn.partition.context import balanced_batch
-from shardfn.partition.layouts import (
+from shardfn.partition.layouts.axes import (
     batch_spec,
     mesh_axes,
     param_specs,
@@ -34,8 +33,9 @@ from shardfn.partition.layouts import (
     seq_split,
     state_specs,
 )
-from shardfn.partition.remat import remat_pass
+from shardfn.partition.passes.points import PassPipeline
 from shardfn.partition.spec import P, entry_axes
+from shardfn.partition.spmd.context_rules import balanced_batch
 from shardfn.runtime.step import Step, identity_state
 
 
@@ -178,17 +178,10 @@ def overlaps(cfg, mesh=None) -> bool:
     return True
 
 
-def _passes(cfg, mesh=None) -> dict | None:
+def _passes(cfg, mesh=None) -> PassPipeline:
     """The graph passes a run config asks for on ``mesh``: ``train.remat`` after trace,
-    ``partition.overlap`` after lower (``docs/passes.md``)."""
-    passes = {}
-    if cfg.train.remat != "none":
-        passes["after_trace"] = [remat_pass(cfg.train.remat)]
-    if overlaps(cfg, mesh):
-        from shardfn.partition.overlap import overlap_pass
-
-        passes["after_lower"] = [overlap_pass(cfg.partition.overlap_bytes)]
-    return passes or None
+    ``partition.overlap`` after lower (``partition/passes/points.py``, ``docs/passes.md``)."""
+    return PassPipeline(remat=cfg.train.remat, overlap=overlaps(cfg, mesh), overlap_bytes=cfg.partition.overlap_bytes)
 
 
 def distribute(tree: Any, specs: Any, mesh) -> Any:

@@ -140,7 +140,7 @@ def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_ex
 
 
 def _register() -> None:
-    from shardfn.partition.fiw import register_differentiable
+    from shardfn.partition.pipeline.fiw import register_differentiable
 
     register_differentiable(torch.ops.shardfn.count_experts.default, count_experts)
 
@@ -190,7 +190,7 @@ def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = Non
 
 def stage_loss(model, model_cfg, recorder: Recorder, mesh=None, batch=None, *,
                capacity_factor: float = 0.0) -> Callable:
-    """``loss_fn(params, batch)`` for :func:`~shardfn.partition.stages.build_pipeline`: the
+    """``loss_fn(params, batch)`` for :func:`~shardfn.partition.pipeline.split.build_pipeline`: the
     model's ``(loss, aux)`` with its MoE layers counted into ``recorder`` and run as the stage's ``mesh``
     runs them (an expert-parallel exchange with ``mesh.ep > 1``); ``batch`` is the batch spec
     on that mesh. Without a mesh (or on one device) everything runs in the stage's programs.

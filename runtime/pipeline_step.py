@@ -42,12 +42,12 @@ from shardfn.core import _torch_private as private
 from shardfn.core import optim
 from shardfn.core.precision import with_policy
 from shardfn.core.pytree import PyTree, flatten_with_paths, tree_leaves
-from shardfn.partition import report
-from shardfn.partition.context import balanced_batch
-from shardfn.partition.schedules import Schedule, add_communication, get_schedule, stages_per_rank
+from shardfn.partition.pipeline.schedules import Schedule, add_communication, get_schedule, stages_per_rank
+from shardfn.partition.pipeline.split import Pipeline
+from shardfn.partition.pipeline.stage_programs import StagePrograms, lower_stage
 from shardfn.partition.spec import P
-from shardfn.partition.stage_programs import StagePrograms, lower_stage
-from shardfn.partition.stages import Pipeline
+from shardfn.partition.spmd import report
+from shardfn.partition.spmd.context_rules import balanced_batch
 from shardfn.runtime.executor import RunResult, check_fit, run_schedule, split_microbatches, write_chrome_trace
 from shardfn.runtime.param_source import Source, as_source
 from shardfn.runtime.rank_layout import RankLayout, nest, stage_key
@@ -525,7 +525,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
     model = models.get(model)
     import shardfn as sf
     from shardfn.core.pytree import tree_flatten
-    from shardfn.partition.layouts import (
+    from shardfn.partition.layouts.axes import (
         batch_axes,
         check_run,
         mesh_axes,
@@ -535,7 +535,7 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
         seq_axes,
     )
     from shardfn.partition.local_map import mesh_scope
-    from shardfn.partition.stages import build_pipeline
+    from shardfn.partition.pipeline.split import build_pipeline
     from shardfn.runtime import pipeline_experts
 
     check_run(model, cfg)

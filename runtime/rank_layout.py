@@ -2,8 +2,8 @@
 
 A rank's state is ``{"stage<s>": subtree}`` for its stages, each subtree shaped like the model's
 tree restricted to the leaves the stage holds, and each leaf this rank's *block* of the stage's
-tensor: the stage's layers of a stacked leaf (``partition.stages``), then this rank's shard of
-those under the leaf's placements on the stage's mesh (``partition.stage_programs``). A block
+tensor: the stage's layers of a stacked leaf (``partition.pipeline.split``), then this rank's shard of
+those under the leaf's placements on the stage's mesh (``partition.pipeline.stage_programs``). A block
 is a box of the full leaf (:meth:`RankLayout.region`), which is all that initialisation, import,
 checkpoints and exports need:
 
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from shardfn.core.pytree import PyTree, flatten_with_paths, tree_flatten, tree_unflatten
-from shardfn.partition.stage_programs import StagePrograms
-from shardfn.partition.stages import Pipeline, merge_params
+from shardfn.partition.pipeline.split import Pipeline, merge_params
+from shardfn.partition.pipeline.stage_programs import StagePrograms
 from shardfn.runtime.param_source import Source, contiguous_stride, tree_source
 
 

@@ -23,7 +23,7 @@ import torch
 from shardfn import models
 from shardfn.core.pytree import PyTree, count
 from shardfn.partition.mesh import local_device
-from shardfn.runtime import checkpoint, data, launch
+from shardfn.runtime import checkpoint, data, launch, run_identity
 from shardfn.runtime.build import build_step
 from shardfn.runtime.checkpoint import save_checkpoint
 from shardfn.runtime.errors import NonFiniteError
@@ -62,11 +62,11 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
     """Train ``cfg.model`` for ``cfg.train.steps`` steps on one device.
 
     With ``train.checkpoint.every`` it saves sharded checkpoints to ``train.checkpoint.dir`` (when
-    null, the run's own directory: :func:`shardfn.runtime.checkpoint.run_directory`) and resumes
+    null, the run's own directory: :func:`shardfn.runtime.run_identity.run_directory`) and resumes
     from the newest complete one there, as ``train.checkpoint.resume`` says (see
-    :func:`shardfn.runtime.checkpoint.resume_path`), on any mesh whatever mesh saved it. A resume
+    :func:`shardfn.runtime.run_identity.resume_path`), on any mesh whatever mesh saved it. A resume
     logs the config keys changed since the checkpoint and refuses another model
-    (:func:`shardfn.runtime.checkpoint.check_resume`).
+    (:func:`shardfn.runtime.run_identity.check_resume`).
 
     Args:
         cfg: a run config (``shardfn.config.RunConfig``).
@@ -101,13 +101,13 @@ def train(cfg, metrics_path: str | os.PathLike | None = None, log: Callable[[str
 def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     from shardfn import models
 
-    cfg = checkpoint.with_run_directory(cfg)  # train.checkpoint.dir null: the run's own directory
+    cfg = run_identity.with_run_directory(cfg)  # train.checkpoint.dir null: the run's own directory
     t = cfg.train
     if not is_main_rank():
         log, metrics_path = (lambda line: None), None  # one voice: rank 0 logs and writes metrics
     device = local_device(cfg.runtime.device)  # "cuda": this rank's cuda:LOCAL_RANK
     model = models.get(cfg.model_name)
-    if t.init_from:  # Hugging Face safetensors (models/hf.py); checkpoints still resume over them
+    if t.init_from:  # Hugging Face safetensors (models/hf/); checkpoints still resume over them
         from shardfn.models import hf
 
         def source(regions):
@@ -118,8 +118,8 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     tokens = data.from_config(cfg.data)  # a missing data file fails before anything is built
     start = 0
     ckpt = t.checkpoint
-    found = checkpoint.resume_path(ckpt)  # by train.checkpoint.resume; None: step 0
-    changes = checkpoint.check_resume(found, cfg.to_dict()) if found is not None else []  # another model: an error
+    found = run_identity.resume_path(ckpt)  # by train.checkpoint.resume; None: step 0
+    changes = run_identity.check_resume(found, cfg.to_dict()) if found is not None else []  # another model: an error
     shapes = model.init(cfg.model, t.seed, device="meta")
     step_fn = build_step(cfg, model, abstract(shapes, device), record=trace_dir is not None)
     n_params = count(shapes)

@@ -11,9 +11,9 @@ import shardfn as sf
 from shardfn import P
 from shardfn.partition import auto
 from shardfn.partition.api import jit_auto
-from shardfn.partition.cost import CostModel
-from shardfn.partition.hardware import Hardware, available_hardware, load_hardware
-from shardfn.partition.trace import trace
+from shardfn.partition.cost.hardware import Hardware, available_hardware, load_hardware
+from shardfn.partition.cost.model import CostModel
+from shardfn.partition.spmd.trace import trace
 from shardfn.runtime.launch import spawn
 
 # ------------------------------------------------------------------ hardware and cost model
@@ -406,6 +406,7 @@ def test_auto_keeps_every_other_option_of_sf_jit(clean_process_group, monkeypatc
     """``in_specs=sf.AUTO`` chooses the specs and nothing else: the passes at every point, bucketing
     and the stored (fsdp) arguments apply as they do with specs written by hand."""
     from shardfn.partition import api
+    from shardfn.partition.passes import bucket as bucket_module
 
     ran, bucketed = [], []
 
@@ -419,7 +420,7 @@ def test_auto_keeps_every_other_option_of_sf_jit(clean_process_group, monkeypatc
         bucketed.append(nbytes)
         return gm
 
-    monkeypatch.setattr(api, "bucket_collectives", bucket)
+    monkeypatch.setattr(bucket_module, "bucket_collectives", bucket)  # the default after_lower pass calls it
     p, x = mlp_args(256, 1024, tokens=64)
     step = sf.jit(mlp_step, sf.Mesh({"dp": 2, "tp": 2}, fake=True), in_specs=sf.AUTO, fsdp_argnums=(0,),
                   passes={point: [noting(point)] for point in api.PASS_POINTS}, bucket_bytes=1 << 20, backend=None)

@@ -18,9 +18,9 @@ from shardfn.partition import auto
 from shardfn.partition.auto import result as auto_result
 from shardfn.partition.auto.ilp import Solution
 from shardfn.partition.auto.problem import _US
-from shardfn.partition.cost import CostModel
-from shardfn.partition.hardware import Hardware, efficiency, load_hardware
-from shardfn.partition.trace import trace
+from shardfn.partition.cost.hardware import Hardware, efficiency, load_hardware
+from shardfn.partition.cost.model import CostModel
+from shardfn.partition.spmd.trace import trace
 
 
 def mlp_loss(p, x):

@@ -334,7 +334,7 @@ def test_cli_argparse(argv, message, capsys):
     (lambda S: S.stage_to_rank_map(2, 6, "v"), r"a V placement has 2 stages per rank: n_stages must be 4"),
 ], ids=["gpipe-0-ranks", "interleaved-0-virtual", "zbh1-virtual", "stages-not-multiple", "v-placement"])
 def test_schedule(call, message):
-    from shardfn.partition import schedules
+    from shardfn.partition.pipeline import schedules
 
     with pytest.raises(ValueError, match=message):
         call(schedules)
@@ -372,7 +372,7 @@ def test_checkpoint_load_of_an_empty_dir(tmp_path):
 
 @pytest.mark.parametrize("layout", ["missing-dir", "only-a-killed-save"])
 def test_resume_from_a_dir_with_nothing_to_resume(layout, tmp_path, capsys):
-    from shardfn.runtime import checkpoint as ck
+    from shardfn.runtime import run_identity as ri
 
     d = tmp_path / "ckpt"
     if layout == "only-a-killed-save":
@@ -380,7 +380,7 @@ def test_resume_from_a_dir_with_nothing_to_resume(layout, tmp_path, capsys):
     cfg = load_config(None, ["train.checkpoint.resume=true", f"train.checkpoint.dir={d}"])
     with pytest.raises(ValueError, match=r"train\.checkpoint\.resume=true \(--resume\), but train\.checkpoint\.dir="
                                          r".*ckpt' holds no complete checkpoint; point it at the run's directory"):
-        ck.resume_path(cfg.train.checkpoint)
+        ri.resume_path(cfg.train.checkpoint)
     assert cli.main(["train", "--resume", f"train.checkpoint.dir={d}"]) == 2
     assert "start without --resume" in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""Gradient bucketing (partition/bucket.py): same bytes in fewer collectives, same results."""
+"""Gradient bucketing (partition/passes/bucket.py): same bytes in fewer collectives, same results."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import shardfn as sf
 from shardfn import P
 from shardfn.config import load_config
 from shardfn.core.transforms import value_and_grad
-from shardfn.partition.bucket import DEFAULT_BUCKET_BYTES, bucket_pass
+from shardfn.partition.passes.bucket import DEFAULT_BUCKET_BYTES, bucket_pass
 from shardfn.runtime.launch import spawn
 
 BUCKETS = (None, DEFAULT_BUCKET_BYTES, 8192)  # off; all gradients in one bucket; 2 weights (4096 B each) per bucket
@@ -204,7 +204,7 @@ def test_bucketed_fsdp_step_compiles_with_inductor_and_says_so():
 
 def test_the_program_for_inductor_has_the_functional_all_reduce_and_the_eager_one_keeps_it_in_place(
         clean_process_group):
-    from shardfn.partition.bucket import functional_collectives
+    from shardfn.partition.passes.bucket import functional_collectives
 
     g = torch.Generator().manual_seed(0)
     params = {"w": torch.randn(3, 16, 16, generator=g), "out": torch.randn(16, 4, generator=g)}

@@ -19,6 +19,7 @@ from shardfn.config import load_config
 from shardfn.core.pytree import flatten_with_paths, tree_leaves
 from shardfn.runtime import checkpoint as ck
 from shardfn.runtime import data
+from shardfn.runtime import run_identity as ri
 from shardfn.runtime.launch import RankFailed, spawn
 from shardfn.runtime.train import train
 from shardfn.runtime.train_step import make_optimizer
@@ -187,16 +188,16 @@ def test_resume_policy_errors(tmp_path):
         return load_config(None, [*SMALL, f"train.checkpoint.dir={tmp_path}", *extra]).train.checkpoint
 
     with pytest.raises(ValueError, match=r"train.checkpoint.resume=true \(--resume\).*holds no complete checkpoint"):
-        ck.resume_path(cfg("train.checkpoint.resume=true"))
-    assert ck.resume_path(cfg("train.checkpoint.every=2")) is None  # auto, first run
+        ri.resume_path(cfg("train.checkpoint.resume=true"))
+    assert ri.resume_path(cfg("train.checkpoint.every=2")) is None  # auto, first run
     _, params, state = _state()
     ck.save_checkpoint(tmp_path, 3, params, state)
-    assert ck.resume_path(cfg("train.checkpoint.every=2")) == tmp_path / "step_00000003"
-    assert ck.resume_path(cfg()) is None  # auto without checkpointing: nothing is read
-    assert ck.resume_path(cfg("train.checkpoint.resume=true")) == tmp_path / "step_00000003"
+    assert ri.resume_path(cfg("train.checkpoint.every=2")) == tmp_path / "step_00000003"
+    assert ri.resume_path(cfg()) is None  # auto without checkpointing: nothing is read
+    assert ri.resume_path(cfg("train.checkpoint.resume=true")) == tmp_path / "step_00000003"
     with pytest.raises(ValueError, match=r"resume=false.*newest: step_00000003.*fresh"):
-        ck.resume_path(cfg("train.checkpoint.every=2", "train.checkpoint.resume=false"))
-    assert ck.resume_path(cfg("train.checkpoint.every=2", "mesh.pp=2")) == tmp_path / "step_00000003"  # any layout
+        ri.resume_path(cfg("train.checkpoint.every=2", "train.checkpoint.resume=false"))
+    assert ri.resume_path(cfg("train.checkpoint.every=2", "mesh.pp=2")) == tmp_path / "step_00000003"  # any layout
     with pytest.raises(ValueError, match="train.checkpoint.resume must be auto, true or false"):
         cfg("train.checkpoint.resume=sometimes")
 
@@ -235,16 +236,16 @@ def test_the_default_directory_is_the_runs_own(tmp_path, monkeypatch, capsys):
 
 def test_run_id_names_what_is_trained():
     def rid(*overrides):
-        return ck.run_id(load_config(None, [*SMALL, *overrides]).to_dict())
+        return ri.run_id(load_config(None, [*SMALL, *overrides]).to_dict())
 
     assert rid() == rid("train.steps=7", "train.log_every=3", "mesh.dp=2", "runtime.threads=2",
                         "train.checkpoint.every=5", "pipeline.microbatches=2")
     assert len({rid(), rid("train.lr=1e-3"), rid("model.n_layers=1"), rid("train.seed=1"),
                 rid("data.corpus_bytes=4096")}) == 5
     cfg = load_config(None, SMALL)
-    assert ck.run_directory(cfg) == f"runs/llama_tiny-{rid()}" and cfg.train.checkpoint.dir is None
-    assert ck.with_run_directory(cfg).train.checkpoint.dir == ck.run_directory(cfg)
-    assert ck.run_directory(load_config(None, [*SMALL, "train.checkpoint.dir=mine"])) == "mine"
+    assert ri.run_directory(cfg) == f"runs/llama_tiny-{rid()}" and cfg.train.checkpoint.dir is None
+    assert ri.with_run_directory(cfg).train.checkpoint.dir == ri.run_directory(cfg)
+    assert ri.run_directory(load_config(None, [*SMALL, "train.checkpoint.dir=mine"])) == "mine"
 
 
 def test_resume_prints_what_changed_and_refuses_another_model(tmp_path, capsys):
@@ -271,7 +272,7 @@ def test_resume_prints_what_changed_and_refuses_another_model(tmp_path, capsys):
     del saved["config"]["model"]["init_std"]
     meta.write_text(json.dumps(saved))
     now = load_config(None, [*SMALL, "train.lr=1e-3", "train.steps=3", "train.checkpoint.every=2"])
-    assert ck.check_resume(meta.parent, now.to_dict()) == ["model.init_std null -> 0.02"]
+    assert ri.check_resume(meta.parent, now.to_dict()) == ["model.init_std null -> 0.02"]
 
 
 # ----------------------------------------------------------------------------- gloo meshes
@@ -507,7 +508,7 @@ def test_config_changes_name_each_key_and_take_a_missing_key_as_null():
     saved = load_config(None, SMALL).to_dict()
     now = load_config(None, [*SMALL, "train.lr=1e-3", "mesh.dp=2", "runtime.threads=3",
                              "train.checkpoint.dir=elsewhere"]).to_dict()
-    assert ck.config_changes(saved, now) == [("mesh.dp", 1, 2), ("train.lr", 0.003, 0.001)]
+    assert ri.config_changes(saved, now) == [("mesh.dp", 1, 2), ("train.lr", 0.003, 0.001)]
     del saved["model"]["init_std"]
     saved["model"]["added_later"] = None
-    assert [k for k, *_ in ck.config_changes(saved, now)] == ["mesh.dp", "model.init_std", "train.lr"]
+    assert [k for k, *_ in ri.config_changes(saved, now)] == ["mesh.dp", "model.init_std", "train.lr"]

@@ -11,9 +11,9 @@ import shardfn as sf
 from shardfn import P, models
 from shardfn.config import load_config
 from shardfn.core.positional_attention import positional_attention
-from shardfn.partition.context import balanced_batch, exchange_bytes_per_layer, load_balance_order
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import batch_spec, check_run, check_sequence_parallel, resolve_rules
+from shardfn.partition.layouts.axes import batch_spec, check_run, check_sequence_parallel, resolve_rules
+from shardfn.partition.spmd.context_rules import balanced_batch, exchange_bytes_per_layer, load_balance_order
 from shardfn.runtime.partitioned import expert_region, full, mesh_from_config, mesh_step
 from tests.parity import BASE, _grad_fn, assert_matches, reference, setup
 

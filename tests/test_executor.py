@@ -17,8 +17,8 @@ import shardfn as sf
 from shardfn.core import optim
 from shardfn.core.pytree import tree_leaves
 from shardfn.core.transforms import value_and_grad
-from shardfn.partition.schedules import get_schedule
-from shardfn.partition.stages import build_pipeline, stage_params
+from shardfn.partition.pipeline.schedules import get_schedule
+from shardfn.partition.pipeline.split import build_pipeline, stage_params
 from shardfn.runtime import executor
 from shardfn.runtime.launch import spawn
 from shardfn.runtime.pipeline_step import build_pipeline_step, make_pipeline_step

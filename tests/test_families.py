@@ -15,7 +15,7 @@ from test_model_contract import BASE, _losses, run_layouts
 from shardfn import cli, models
 from shardfn.config import load_config
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import check_run
+from shardfn.partition.layouts.axes import check_run
 
 PUBLISHED = {
     # config: (total, active, the published figures' own rounding as a fraction), from the model cards
@@ -94,7 +94,7 @@ def test_the_sliding_window_is_refused_by_name_under_cp():
 
 
 def test_gpt_oss_sinks_shard_with_the_heads_and_its_layer_kinds_are_refused_under_cp():
-    from shardfn.partition.layouts import param_specs, resolve_rules
+    from shardfn.partition.layouts.axes import param_specs, resolve_rules
 
     model = models.get("gpt_oss")
     cfg = _config("gpt_oss_tiny", "mesh.tp=2")

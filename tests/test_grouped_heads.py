@@ -1,5 +1,5 @@
 """The per-rank program's fused attentions read grouped key/value heads without repeating them
-(partition/grouped_heads.py): the same forward to the bit, gradients to float rounding. The CUDA
+(partition/passes/grouped_heads.py): the same forward to the bit, gradients to float rounding. The CUDA
 kernels' graphs are built on meta tensors here; ``cuda``-marked tests run them on a GPU."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import layers as L
-from shardfn.partition.grouped_heads import BACKWARD, FORWARD, KERNELS, read_grouped_heads
+from shardfn.partition.passes.grouped_heads import BACKWARD, FORWARD, KERNELS, read_grouped_heads
 
 aten = torch.ops.aten
 

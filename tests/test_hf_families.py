@@ -1,4 +1,4 @@
-"""Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss against ``transformers`` itself (models/hf.py).
+"""Qwen3, Qwen2, Mistral, Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss against ``transformers`` itself (models/hf/).
 
 Each case builds a tiny random model from a transformers config object (nothing is downloaded),
 writes it with ``save_pretrained``, loads it with ``hf.load`` and compares logits and loss in

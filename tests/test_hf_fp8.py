@@ -1,4 +1,4 @@
-"""FP8 block-quantized checkpoints (models/hf.py): dequantized at load, each box read slice by slice.
+"""FP8 block-quantized checkpoints (models/hf/): dequantized at load, each box read slice by slice.
 
 The checkpoints are built here: random weights quantized per 128 x 128 block by the test's own
 code (scale = amax / 448, fp8 = w / scale, weight_scale_inv = scale), as DeepSeek-V3 publishes

@@ -1,4 +1,4 @@
-"""Hugging Face safetensors import (models/hf.py): against hand-named tensors and HF-convention forwards."""
+"""Hugging Face safetensors import (models/hf/): against hand-named tensors and HF-convention forwards."""
 
 import dataclasses
 import json
@@ -38,7 +38,7 @@ def _tokens(vocab=64):
 
 
 def llama_hf_tensors(cfg, seed=0):
-    """A Llama checkpoint as HF names it, written out by hand (not through models/hf.py)."""
+    """A Llama checkpoint as HF names it, written out by hand (not through models/hf/)."""
     g = torch.Generator().manual_seed(seed)
     D, H, Hkv, F_, V = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size
     hd = D // H

@@ -1,4 +1,4 @@
-"""gpt-oss's MXFP4 expert weights dequantized at load (models/mxfp4.py, models/hf.py), against
+"""gpt-oss's MXFP4 expert weights dequantized at load (models/mxfp4.py, models/hf/), against
 transformers' own dequantization (``transformers.integrations.mxfp4.convert_moe_packed_tensors``).
 
 A tiny transformers gpt-oss model's experts are quantized here by the format (32 values of a row

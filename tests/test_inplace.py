@@ -9,8 +9,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import optim
 from shardfn.core.transforms import value_and_grad
-from shardfn.partition.inplace import count_targets, in_place_copy
-from shardfn.partition.trace import trace
+from shardfn.partition.passes.inplace import count_targets, in_place_copy
+from shardfn.partition.spmd.trace import trace
 
 aten = torch.ops.aten
 

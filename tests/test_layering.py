@@ -11,6 +11,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {"core": 0, "models": 1, "partition": 2, "runtime": 3}
+# Inside ``partition``, by stage, low to high (docs/architecture.md): specs and errors, the mesh
+# and the markers a traced function holds, the SPMD compiler, the graph passes and the cost
+# model, the pipeline, layouts (which ask the pipeline for stages per rank), the auto-sharder,
+# and ``sf.jit`` on top. Two names on one floor may import each other's modules.
+PARTITION_FLOORS = {"errors": 0, "spec": 0, "mesh": 1, "constrain": 1, "local_map": 2, "spmd": 3,
+                    "passes": 4, "cost": 4, "pipeline": 5, "layouts": 6, "auto": 7, "api": 8}
 APPLICATION = 4
 NOT_PACKAGE = {"tests", "benchmarks", "examples", "docs", "build"}
 
@@ -37,6 +43,12 @@ def layer(module: str) -> int | None:
     if len(parts) < 2:
         return None  # the package facade re-exports from below; it is nobody's dependency
     return LAYERS.get(parts[1], APPLICATION)
+
+
+def partition_part(module: str) -> str | None:
+    """The sub-package or top-level module of ``partition`` that ``module`` is in, if any."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "partition" else None
 
 
 def import_edges(modules: dict[str, Path]) -> dict[str, set[str]]:
@@ -110,6 +122,16 @@ def test_imports_only_point_down():
     upward = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
                     if layer(a) is not None and layer(b) is not None and layer(b) > layer(a))
     assert not upward, "imports from a lower layer into a higher one:\n" + "\n".join(upward)
+
+
+def test_partition_imports_only_point_down_its_stages():
+    modules = package_modules()
+    unplaced = sorted({partition_part(m) for m in modules} - {None} - set(PARTITION_FLOORS))
+    assert not unplaced, f"partition modules on no floor: {unplaced}; give each a floor in PARTITION_FLOORS"
+    upward = sorted(f"{a} -> {b}" for a, targets in import_edges(modules).items() for b in targets
+                    if partition_part(a) and partition_part(b)
+                    and PARTITION_FLOORS[partition_part(b)] > PARTITION_FLOORS[partition_part(a)])
+    assert not upward, "partition imports from a lower stage into a higher one:\n" + "\n".join(upward)
 
 
 def test_no_two_modules_import_each_other():

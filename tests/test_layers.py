@@ -7,6 +7,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import layers as L
+from shardfn.core import rope
 from shardfn.core.init import axes_of, count_params, init_params, normal, ones, shapes_of, stacked, zeros
 
 
@@ -227,7 +228,7 @@ def test_rope_tables_are_built_once_eagerly_and_afresh_when_traced():
     with torch.inference_mode():  # tables first made here are still usable by autograd afterwards
         c = L.rope_tables(13, 8, 500.0)
     assert not c[0].is_inference()
-    fresh = L._rope_tables(12, 8, 500.0, None, None, torch.float32)
+    fresh = rope._rope_tables(12, 8, 500.0, None, None, torch.float32)
     assert torch.equal(a[0], fresh[0]) and torch.equal(a[1], fresh[1])
     graph = make_fx(lambda t: t * L.rope_tables(12, 8, 500.0)[0])(torch.ones(12, 8))
     assert "cos" in str(graph.graph)  # built inside the traced program, not captured as a constant

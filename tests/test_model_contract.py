@@ -16,7 +16,7 @@ from shardfn import models
 from shardfn.config import config_from_dict, load_config
 from shardfn.models.contract import ModelError
 from shardfn.partition.errors import LayoutError
-from shardfn.partition.layouts import check_run
+from shardfn.partition.layouts.axes import check_run
 
 ROOT = Path(__file__).resolve().parent.parent
 DENSE = str(ROOT / "tests" / "tiny_dense.py")
@@ -331,7 +331,7 @@ def _split(loss_fn, cfg, tokens):
     FLOPs, and the warnings it gave."""
     import warnings
 
-    from shardfn.partition.stages import build_pipeline
+    from shardfn.partition.pipeline.split import build_pipeline
 
     moe = models.get("moe")
     with warnings.catch_warnings(record=True) as record:
@@ -350,8 +350,8 @@ def test_a_per_layer_auxiliary_loss_splits_as_evenly_as_without_it():
     are one device's."""
     from shardfn.core.pytree import tree_leaves
     from shardfn.core.transforms import value_and_grad
-    from shardfn.partition.schedules import get_schedule
-    from shardfn.partition.stages import merge_params, stage_params
+    from shardfn.partition.pipeline.schedules import get_schedule
+    from shardfn.partition.pipeline.split import merge_params, stage_params
     from shardfn.runtime.executor import run_schedule, split_microbatches
 
     moe = models.get("moe")

@@ -63,7 +63,7 @@ def test_ep2_under_train_compile_matches_eager():
 def _in_place_worker():
     from parity import setup
 
-    from shardfn.partition.inplace import count_targets
+    from shardfn.partition.passes.inplace import count_targets
     from shardfn.runtime.build import build_step
 
     cfg, model, params, _, batches = setup(["mesh.ep=2"], MOE)

@@ -1,4 +1,4 @@
-"""DeepSeek-V3's multi-token prediction (models/moe.py ``mtp_depth``; models/hf.py layers n_layers..):
+"""DeepSeek-V3's multi-token prediction (models/moe.py ``mtp_depth``; models/hf/ layers n_layers..):
 against an HF-convention reference forward, through HF files and FP8, and in the parameter counts."""
 
 import json

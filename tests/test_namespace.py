@@ -9,7 +9,7 @@ import torch
 
 import shardfn as sf
 from shardfn.core import optim, precision, transforms
-from shardfn.partition import remat as remat_module
+from shardfn.partition.passes import remat as remat_module
 
 NAMES = ("jit", "P", "AUTO", "Mesh", "specs_like", "constrain", "local_map", "pipeline_split",
          "register_autograd", "value_and_grad", "grad", "stop_gradient", "optim", "remat", "checkpoint",
@@ -82,10 +82,15 @@ def test_import_shardfn_loads_nothing_else():
 
 
 # The layout facts a config is checked against live in these partition modules (mesh axes,
-# rules, schedules, remat policy names); tracing, propagation, lowering and compiling do not.
-CONFIG_FACTS = {"shardfn.partition", "shardfn.partition.errors", "shardfn.partition.fx",
-                "shardfn.partition.layouts", "shardfn.partition.remat", "shardfn.partition.schedules",
-                "shardfn.partition.spec"}
+# rules, schedules, remat policy names) and the sub-packages holding them, whose __init__ imports
+# nothing; tracing, propagation, lowering and compiling do not.
+CONFIG_FACTS = {"shardfn.partition", "shardfn.partition.errors", "shardfn.partition.spec",
+                "shardfn.partition.spmd", "shardfn.partition.spmd.fx",
+                "shardfn.partition.layouts", "shardfn.partition.layouts.axes",
+                "shardfn.partition.passes", "shardfn.partition.passes.remat",
+                "shardfn.partition.pipeline", "shardfn.partition.pipeline.schedules",
+                *(f"shardfn.partition.pipeline.schedules.{m}" for m in (
+                    "types", "generators", "dependencies", "simulate", "validate", "communication", "files", "text"))}
 
 
 def test_shardfn_params_loads_no_partitioner_runtime_or_planner():

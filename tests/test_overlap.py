@@ -1,4 +1,4 @@
-"""Communication hidden behind compute (partition/overlap.py, the MoE layer's shared experts).
+"""Communication hidden behind compute (partition/passes/overlap.py, the MoE layer's shared experts).
 
 Program order: in the lowered fsdp2 step of llama_tiny each layer's all-gathers are issued
 before the previous layer's compute (forward and backward), within the memory bound; the MoE
@@ -13,7 +13,7 @@ from test_remat import run_config
 
 from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
-from shardfn.partition import overlap as ov
+from shardfn.partition.passes import overlap as ov
 
 FSDP = ["train.batch_size=8", "train.seq_len=32", "mesh.fsdp=2", "model.n_layers=4"]
 PLAIN = ["partition.overlap=false"]  # the unscheduled program (the pass is on by default under fsdp)

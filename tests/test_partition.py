@@ -7,8 +7,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 import shardfn as sf
 from shardfn import P
-from shardfn.partition.propagate import ShardingError
 from shardfn.partition.spec import broadcast_specs, to_placements
+from shardfn.partition.spmd.propagate import ShardingError
 from shardfn.runtime.launch import spawn
 
 # ------------------------------------------------------------------ a two-matmul MLP train step
@@ -460,7 +460,7 @@ def _ln_jit(mesh, **kwargs):
 
 
 def test_layer_norm_bias_is_not_gathered_for_its_backward(clean_process_group, monkeypatch):
-    from shardfn.partition import propagate
+    from shardfn.partition.spmd import propagate
 
     mesh = sf.Mesh({"fsdp": 2}, fake=True)
     rows = _ln_jit(mesh).lower(*_ln_data()).comm_report()
@@ -603,7 +603,7 @@ def test_outputs_are_what_from_local_gives_and_keep_autograd(clean_process_group
 def test_peak_temporary_bytes_holds_a_value_while_a_view_or_an_in_place_result_of_it_lives():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from shardfn.partition.report import peak_temporary_bytes
+    from shardfn.partition.spmd.report import peak_temporary_bytes
 
     def viewed(x):                   # x: 1024 floats, 4096 B
         a = x * 2                    # 4096 B, alive while its view is

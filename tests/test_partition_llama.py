@@ -127,7 +127,7 @@ def test_dp2_all_reduces_each_gradient_once(planner):
 
 def test_tp2_attention_reads_each_ranks_key_value_group_without_repeating_it(planner):
     """llama_tiny has 4 query heads and 2 key/value heads; under tp2 a rank holds 2 and 1. Its
-    flash kernels read that one key/value head for both query heads (partition/grouped_heads.py):
+    flash kernels read that one key/value head for both query heads (partition/passes/grouped_heads.py):
     no repeated copy of k or v, and no group sum of their gradients after the backward."""
     cfg, model, params, specs, lowered = planner(["mesh.tp=2"])
     assert (cfg.model.n_heads, cfg.model.n_kv_heads) == (4, 2)

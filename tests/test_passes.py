@@ -7,7 +7,7 @@ import torch
 
 import shardfn as sf
 from shardfn import P
-from shardfn.partition.remat import remat_pass
+from shardfn.partition.passes.remat import remat_pass
 
 aten = torch.ops.aten
 
@@ -73,7 +73,7 @@ def test_remat_is_a_pass():
     def step(w, x):
         return torch.func.grad(loss)(w, x)
 
-    from shardfn.partition.trace import trace
+    from shardfn.partition.spmd.trace import trace
 
     w, x = torch.randn(2, 8, 8), torch.randn(4, 8)
     gm = remat_pass("full")(trace(step, (w, x)).graph_module)
@@ -91,3 +91,32 @@ def test_a_bad_pass_names_the_point_and_the_pass(mesh):
 
     with pytest.raises(TypeError, match=r"sf.jit pass 'forgets' at after_trace returned NoneType"):
         sf.jit(_step, mesh, backend=None, passes={"after_trace": [forgets]}).lower(w, x)
+
+
+def test_the_pass_pipeline_runs_the_defaults_then_the_users(mesh):
+    from shardfn.partition.passes.points import PassPipeline
+
+    def mine(gm):
+        return gm
+
+    jit_passes = PassPipeline.of({"after_lower": mine}, bucket_bytes=1 << 20)
+    assert [fn.__name__ for fn in jit_passes.at("after_lower")] == ["read_grouped_heads", "bucket_1048576", "mine"]
+    run_passes = PassPipeline(remat="full", overlap=True, user={"after_trace": [mine]})
+    assert [fn.__name__ for fn in run_passes.at("after_trace")] == ["remat_full", "mine"]
+    assert [fn.__name__ for fn in run_passes.at("after_lower")] == ["read_grouped_heads", "overlap"]
+    assert run_passes.at("after_propagate") == []
+    with pytest.raises(ValueError, match=r"remat: 'most' is not a remat policy; use one of none, full, selective"):
+        PassPipeline.of(PassPipeline(remat="most"))
+
+    def loss(w, x):
+        return torch.tanh(torch.tanh(x @ w[0]) @ w[1]).square().mean()
+
+    def step(w, x):
+        return torch.func.grad(loss)(w, x)
+
+    def program(passes):
+        jitted = sf.jit(step, mesh, in_specs=(P(), P("dp")), out_specs=P(), backend=None, passes=passes)
+        return jitted.lower(torch.randn(2, 8, 8), torch.randn(4, 8)).graph_module.code
+
+    as_pipeline = program(PassPipeline(remat="full"))
+    assert as_pipeline == program({"after_trace": [remat_pass("full")]}) != program(None)

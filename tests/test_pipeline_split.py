@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn.core.pytree import tree_leaves
-from shardfn.partition import flops
-from shardfn.partition import fx as fxh
-from shardfn.partition import stages as pl
-from shardfn.partition.stages import PipelineError, build_pipeline, merge_params, stage_params
+from shardfn.partition.cost import flops
+from shardfn.partition.pipeline import split as pl
+from shardfn.partition.pipeline.split import PipelineError, build_pipeline, merge_params, stage_params
+from shardfn.partition.spmd import fx as fxh
 
 D, H, V, S = 8, 16, 32, 4
 

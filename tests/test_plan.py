@@ -128,12 +128,12 @@ def test_stage_ranges_tile_the_layers_balanced_by_cost():
 
 @pytest.mark.parametrize("config,n_layers,pp", [("llama_tiny", 4, 2), ("llama_tiny", 5, 3), ("moe_tiny", 4, 2)])
 def test_the_planned_split_is_the_split_that_runs(config, n_layers, pp):
-    """The planner and the pipeline runtime ask the same functions (partition.stages): their stages hold
+    """The planner and the pipeline runtime ask the same functions (partition.pipeline.split): their stages hold
     the same layers."""
     import torch
 
     from shardfn import models
-    from shardfn.partition.stages import build_pipeline
+    from shardfn.partition.pipeline.split import build_pipeline
 
     cfg = load_config(config, [f"model.n_layers={n_layers}", f"mesh.pp={pp}", "train.batch_size=8",
                                "train.seq_len=16", "pipeline.microbatches=2"])
@@ -389,7 +389,7 @@ def test_shared_propagation_lowers_the_same_program(clean_process_group):
 
 # ------------------------------------------------------------------ the GPU run model against published runs
 
-from shardfn.partition.hardware import efficiency, load_hardware  # noqa: E402
+from shardfn.partition.cost.hardware import efficiency, load_hardware  # noqa: E402
 from shardfn.plan import runmodel  # noqa: E402
 from shardfn.plan.published import GIB, PUBLISHED_RUNS, planned  # noqa: E402
 
@@ -549,7 +549,7 @@ def test_plan_models_context_parallelism(clean_process_group):
     textbook per attention layer, parameter gradients are summed over cp, and one microbatch's
     activations per rank are about half (the gathered K/V and the loss's per-row statistics are
     not split); the run model halves the tokens a rank holds and adds the exchange's time."""
-    from shardfn.partition.context import exchange_bytes_per_layer
+    from shardfn.partition.spmd.context_rules import exchange_bytes_per_layer
 
     cfg = load_config("llama_tiny", ["train.seq_len=4096", "train.batch_size=4"])
     one, cp2 = pl.make_plan(cfg, Layout()), pl.make_plan(cfg, Layout(cp=2))
@@ -600,7 +600,7 @@ def test_plan_of_a_sequence_parallel_run_counts_what_the_run_moves(clean_process
 def test_plan_of_pipeline_stages_over_cp_is_the_runs(clean_process_group):
     """pp2 x cp2: the planner lowers the run's own stage programs; each rank's K/V exchange is
     its stage's layers' textbook exchange for each microbatch."""
-    from shardfn.partition.context import exchange_bytes_per_layer
+    from shardfn.partition.spmd.context_rules import exchange_bytes_per_layer
 
     cfg = load_config("llama_tiny", ["train.seq_len=1024", "train.batch_size=4"])
     plan = pl.make_plan(cfg, Layout(pp=2, cp=2, microbatches=2), full_trace=False)
@@ -611,9 +611,9 @@ def test_plan_of_pipeline_stages_over_cp_is_the_runs(clean_process_group):
 
 
 def test_planner_and_auto_sharder_price_work_with_one_cost_model():
-    """The auto-sharder's per-op model, the traced plan and the run model share partition.cost.Rates:
+    """The auto-sharder's per-op model, the traced plan and the run model share partition.cost.model.Rates:
     the same collective or GEMM costs the same in each (h100: 80% of NVLink, Hopper's GEMM table)."""
-    from shardfn.partition.cost import CostModel, Rates
+    from shardfn.partition.cost.model import CostModel, Rates
     from shardfn.plan.estimate import collective_seconds
     from shardfn.plan.layout import Layout, intra_node
 

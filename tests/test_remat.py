@@ -1,4 +1,4 @@
-"""Activation checkpointing (partition/remat.py): the same bits as no remat, less memory held.
+"""Activation checkpointing (partition/passes/remat.py): the same bits as no remat, less memory held.
 
 fp32 results of ``train.remat: full`` and ``selective`` equal ``none`` bitwise, on one device
 (the step's traced graph, rewritten, against that graph as traced) and on 2 gloo ranks with fsdp
@@ -14,8 +14,8 @@ from parity import BASE
 from shardfn import models
 from shardfn.config import load_config
 from shardfn.core.pytree import tree_leaves
-from shardfn.partition.remat import check_policy, remat, rematerialized, saves_matmuls
-from shardfn.partition.trace import trace
+from shardfn.partition.passes.remat import check_policy, remat, rematerialized, saves_matmuls
+from shardfn.partition.spmd.trace import trace
 from shardfn.runtime import data
 from shardfn.runtime.build import build_step
 from shardfn.runtime.param_source import abstract
@@ -103,7 +103,7 @@ def test_memory_report_activations_fall_with_the_policy(clean_process_group):
 
 
 def test_one_device_program_holds_less_with_each_policy():
-    from shardfn.partition.report import peak_temporary_bytes
+    from shardfn.partition.spmd.report import peak_temporary_bytes
     from shardfn.runtime.train_step import make_optimizer, make_train_step
 
     cfg = load_config("moe_tiny", ["train.batch_size=8", "train.seq_len=128"])

@@ -1,4 +1,4 @@
-"""RoPE scaling (core.layers.RopeScaling: llama3, yarn) against the published formulas.
+"""RoPE scaling (core.rope.RopeScaling: llama3, yarn) against the published formulas.
 
 The references (``reference_inv_freq``, the HF-convention forwards) live in test_hf_import.py and
 are written from Hugging Face's and DeepSeek-V3's definitions, in plain Python and torch; none of
@@ -23,7 +23,7 @@ from test_hf_import import (
 from shardfn import models
 from shardfn.config import config_from_dict, load_config
 from shardfn.core import layers as L
-from shardfn.core.layers import RopeScaling
+from shardfn.core.rope import RopeScaling
 from shardfn.models import hf
 
 LLAMA31 = {"type": "llama3", "factor": 8, "low_freq_factor": 1, "high_freq_factor": 4,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from shardfn.cli import schedule as schedule_cli
-from shardfn.partition.schedules import (
+from shardfn.partition.pipeline.schedules import (
     SCHEDULES,
     Action,
     Schedule,
@@ -209,13 +209,13 @@ def test_pair_overlaps_moves_the_forwards_send_after_the_pair_and_the_backwards_
 
 
 def test_pair_overlaps_makes_no_pair_when_the_moved_messages_would_not_validate(monkeypatch):
-    from shardfn.partition import schedules
+    from shardfn.partition.pipeline.schedules import communication
 
     def refuse(schedule):
         raise ScheduleError("blocked")
 
     original = get_schedule("dualpipev", 2, 6)
-    monkeypatch.setattr(schedules, "validate", refuse)
+    monkeypatch.setattr(communication, "validate", refuse)  # the validator pair_overlaps asks
     assert pair_overlaps.__wrapped__(original) == (original, frozenset())
 
 

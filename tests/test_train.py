@@ -182,7 +182,7 @@ def test_eager_step_matches_the_traced_step(config):
     # and foreach optimizer kernels; traced (what the partitioner and remat rewrite) it is the
     # torch.func program. They agree to float rounding, within the layouts' parity tolerances,
     # and remat changes no bit of the traced program.
-    from shardfn.partition.remat import rematerialized
+    from shardfn.partition.passes.remat import rematerialized
 
     cfg, model, params, opt, _ = _setup(["train.warmup_steps=1"], config=config)
     tokens = data.load_tokens(None)

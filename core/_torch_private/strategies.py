@@ -13,7 +13,7 @@ at run time. Two registries hold the answers:
 Single-dim rules win when an op has both, as in DTensor's own propagator. An op with neither
 that DTensor runs through its decomposition gets one all-replicated strategy. DTensor's
 ``redistribute_cost`` is not used: the auto-sharder prices transitions with its hardware model
-(``partition.cost``).
+(``partition.cost.model``).
 
     a, b = TensorArg(x, [(Replicate(),)]), TensorArg(w, [(Replicate(),)])
     op_strategies(aten.mm.default, (a, b), {}, mesh.device_mesh, x @ w)

@@ -21,11 +21,11 @@ from torch.fx.node import map_arg
 from shardfn.core._torch_private import OpOverload, strategies
 from shardfn.partition import constrain as _constrain_ops  # noqa: F401  (registers shardfn::constrain)
 from shardfn.partition import local_map as _local_map_ops  # noqa: F401  (registers shardfn::local_region)
-from shardfn.partition.cost import CostModel
-from shardfn.partition.fx import is_view
-from shardfn.partition.hardware import Hardware
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import CostModel
 from shardfn.partition.spec import to_placements
-from shardfn.partition.trace import Traced
+from shardfn.partition.spmd.fx import is_view
+from shardfn.partition.spmd.trace import Traced
 
 aten = torch.ops.aten
 
@@ -49,7 +49,7 @@ def make_cost_model(cost_model, mesh_shape: tuple, hardware: Hardware, device_me
     missing = [m for m in ("compute_time", "transition", "local_bytes") if not callable(getattr(model, m, None))]
     if missing or not hasattr(model, "rates"):
         raise TypeError(f"cost_model {cost_model!r} returned {type(model).__name__}, which lacks "
-                        f"{missing or ['rates']}; subclass shardfn.partition.cost.CostModel")
+                        f"{missing or ['rates']}; subclass shardfn.partition.cost.model.CostModel")
     return model
 
 
@@ -57,7 +57,7 @@ class Candidates:
     """The traced graph's nodes with their candidate strategies, owners and compute costs."""
 
     def __init__(self, traced: Traced, mesh, hardware: Hardware, cost_model=None):
-        from shardfn.partition import rules
+        from shardfn.partition.spmd import op_rules as rules
 
         rules.register_all()  # shardfn's own DTensor rules (CPU fused attention)
         self.traced = traced

@@ -53,7 +53,7 @@ def presets(mesh, args: tuple, param_axes: Any, *, params_argnum: int = 0, batch
         table = result.comparison_table(presets(mesh, (params, opt_state, batch), model.param_axes(cfg)))
     """
     from shardfn.core.pytree import tree_map
-    from shardfn.partition.layouts import state_specs
+    from shardfn.partition.layouts.axes import state_specs
     from shardfn.partition.spec import specs_from_rules
 
     out = {}

@@ -22,10 +22,10 @@ from torch.distributed.tensor import Replicate
 from torch.fx.node import map_arg
 
 from shardfn.partition.auto.candidates import Candidates, _node_args
-from shardfn.partition.cost import Transition
-from shardfn.partition.fx import is_view
-from shardfn.partition.hardware import Hardware
-from shardfn.partition.trace import Traced
+from shardfn.partition.cost.hardware import Hardware
+from shardfn.partition.cost.model import Transition
+from shardfn.partition.spmd.fx import is_view
+from shardfn.partition.spmd.trace import Traced
 
 aten = torch.ops.aten
 

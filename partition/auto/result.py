@@ -20,9 +20,9 @@ from torch.fx.node import map_arg
 from shardfn.core.units import format_bytes
 from shardfn.partition.auto.ilp import Solution, input_bounds, memory_rows, min_memory, relative_gap, solve_problem
 from shardfn.partition.auto.problem import Cost, Problem, Reshard
-from shardfn.partition.hardware import Hardware, load_hardware
+from shardfn.partition.cost.hardware import Hardware, load_hardware
 from shardfn.partition.spec import broadcast_specs, describe, is_auto, to_spec
-from shardfn.partition.trace import Traced
+from shardfn.partition.spmd.trace import Traced
 
 aten = torch.ops.aten
 
@@ -330,7 +330,7 @@ def solve(
     """Choose input specs and node placements for ``traced`` on ``mesh``.
 
     Args:
-        traced: ``shardfn.partition.trace.trace(fn, args)`` (global shapes, fake tensors).
+        traced: ``shardfn.partition.spmd.trace.trace(fn, args)`` (global shapes, fake tensors).
         mesh: a ``shardfn.Mesh``; ``Mesh(..., fake=True)`` plans without a process group.
         memory_budget: bytes per rank; default the hardware's HBM. ``math.inf``: no limit.
         hardware: a profile name (``"h100"``, ``"b200"``, ...), a YAML path or a ``Hardware``.

@@ -1,7 +1,7 @@
 """The cost model: what kernels, collectives and bytes cost one rank on a hardware profile.
 
 One model serves every estimate in shardfn. :class:`Rates` turns work into seconds from a
-profile's datasheet peaks and its achieved-rate table (``partition.hardware.efficiency``): a GEMM
+profile's datasheet peaks and its achieved-rate table (``partition.cost.hardware.efficiency``): a GEMM
 at its shape's share of peak, other FLOPs at the sustained clock, streamed bytes at the HBM
 bandwidth a kernel reaches, collectives by the ring alpha-beta model at NCCL's bus bandwidth. The
 planner's traced step (``plan.estimate``), its GPU run model (``plan.runmodel``) and the
@@ -41,9 +41,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.flops import op_flops
-from shardfn.partition.fx import is_view
-from shardfn.partition.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, efficiency, load_hardware
+from shardfn.partition.cost.flops import op_flops
+from shardfn.partition.cost.hardware import DEFAULT_EFFICIENCY, Efficiency, Hardware, efficiency, load_hardware
+from shardfn.partition.spmd.fx import is_view
 
 aten = torch.ops.aten
 
@@ -56,7 +56,7 @@ GEMMS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default, aten.b
 @dataclass(frozen=True)
 class Rates:
     """Seconds for a unit of work on one device of a hardware profile: its datasheet peaks times
-    the shares its kernels and links achieve (:class:`~shardfn.partition.hardware.Efficiency`;
+    the shares its kernels and links achieve (:class:`~shardfn.partition.cost.hardware.Efficiency`;
     a profile without a table runs at its peaks).
 
     Example:
@@ -190,7 +190,7 @@ class CostModel:
 
     Args:
         mesh_shape: sizes of the mesh dims, major to minor.
-        hardware: a :class:`~shardfn.partition.hardware.Hardware`, priced by its :class:`Rates`.
+        hardware: a :class:`~shardfn.partition.cost.hardware.Hardware`, priced by its :class:`Rates`.
         device_mesh: the ``DeviceMesh``; with it, a transition is priced step by step as
             DTensor's ``redistribute`` plans it (a dim split over two mesh dims is regathered when
             its order changes); without it, by the per-dim rule of :meth:`_transition_by_rule`.

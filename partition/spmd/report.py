@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from shardfn.partition.lower import collective_nodes
 from shardfn.partition.spec import describe
+from shardfn.partition.spmd.lower import collective_nodes
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -41,7 +41,7 @@ def collectives(gm: torch.fx.GraphModule, mesh) -> list[dict]:
             "shape": tuple(n.args[0].meta["val"].shape),
             "node": n.meta.get("sf_source", "?"),
         }
-        if "sf_bucket" in n.meta:  # one collective for several tensors (partition/bucket.py)
+        if "sf_bucket" in n.meta:  # one collective for several tensors (partition/passes/bucket.py)
             row["bucket"] = list(n.meta["sf_bucket"])
             row["bucket_bytes"] = list(n.meta.get("sf_bucket_bytes", ()))
         rows.append(row)

@@ -39,9 +39,10 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from shardfn.core import _torch_private as private
-from shardfn.partition import local_map, rules
+from shardfn.partition import local_map
 from shardfn.partition.constrain import decode_spec
 from shardfn.partition.spec import check_divisible, describe
+from shardfn.partition.spmd import op_rules as rules
 
 aten = torch.ops.aten
 

@@ -34,9 +34,9 @@ from typing import Callable
 
 import torch
 
-from shardfn.partition.fx import is_view
-from shardfn.partition.layouts import DEFAULT_BUCKET_BYTES
-from shardfn.partition.lower import collective_nodes
+from shardfn.partition.passes import DEFAULT_BUCKET_BYTES
+from shardfn.partition.spmd.fx import is_view
+from shardfn.partition.spmd.lower import collective_nodes
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional

@@ -188,7 +188,7 @@ def drop_detaches(gm: fx.GraphModule) -> fx.GraphModule:
     detaches it recorded for each. A detach the output reads (a metric's ``loss.detach()``)
     stays, moved to right after its input: program order then says the value exists from there,
     so the collective that reduces it can go with the first ones after it (a loss joins the
-    gradients' bucket, ``partition.bucket``) instead of costing one more at the end.
+    gradients' bucket, ``partition.passes.bucket``) instead of costing one more at the end.
 
         gm = drop_detaches(gm)   # the same outputs, no aten.detach but the outputs' own
     """

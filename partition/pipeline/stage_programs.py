@@ -1,8 +1,8 @@
 """A pipeline stage's programs on its mesh: the stage's joint partitioned over the non-pp axes.
 
-The pipeline (``partition.stages``) cuts the loss at global shapes; each stage's joint
-(forward and backward, ``partition.fiw.joint_graph``) is then partitioned by the same
-interpreter as every other step (``partition.propagate`` under ``partition.lower``) on the
+The pipeline (``partition.pipeline.split``) cuts the loss at global shapes; each stage's joint
+(forward and backward, ``partition.pipeline.fiw.joint_graph``) is then partitioned by the same
+interpreter as every other step (``partition.spmd.propagate`` under ``partition.spmd.lower``) on the
 stage's mesh -- the axes other than ``pp`` -- and the per-rank program is cut into F / I / W.
 So fsdp gathers on use, Megatron tp, the MoE exchange over ep, and dp / HSDP data splits are
 the same inside a pipeline as outside it.
@@ -33,12 +33,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.fiw import joint_graph, set_programs, split_fiw, split_joint
 from shardfn.partition.local_map import mesh_scope
-from shardfn.partition.lower import Lowered, lower, lower_redistribute
+from shardfn.partition.passes.points import PassPipeline
+from shardfn.partition.pipeline.fiw import joint_graph, set_programs, split_fiw, split_joint
+from shardfn.partition.pipeline.split import Stage, TensorSpec
 from shardfn.partition.spec import P, check_divisible
-from shardfn.partition.stages import Stage, TensorSpec
-from shardfn.partition.trace import Traced
+from shardfn.partition.spmd.lower import Lowered, lower, lower_redistribute
+from shardfn.partition.spmd.trace import Traced
 
 
 @dataclass(frozen=True)
@@ -172,14 +173,14 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
     """``stage``'s programs for one rank of ``mesh`` (the stage's mesh, no ``pp``).
 
     Args:
-        stage: a stage of ``partition.stages.build_pipeline`` (traced at the global microbatch).
+        stage: a stage of ``partition.pipeline.split.build_pipeline`` (traced at the global microbatch).
         mesh: the stage's ``sf.Mesh`` (``mesh.sub([...])`` of the run's); one device: the stage
-            runs unpartitioned (``partition.fiw.split_fiw``).
+            runs unpartitioned (``partition.pipeline.fiw.split_fiw``).
         specs: ``path -> P`` of every parameter the stage holds.
-        batch: the spec of ``[batch, ...]`` values (``partition.layouts.batch_spec``).
+        batch: the spec of ``[batch, ...]`` values (``partition.layouts.axes.batch_spec``).
         gather_once: gather the parameters over ``fsdp_axes`` once per step (a separate program)
             rather than on each use in F and I.
-        remat: a ``partition.remat`` policy applied to the stage's joint before it is partitioned.
+        remat: a ``partition.passes.remat`` policy applied to the stage's joint before it is partitioned.
         sequence_parallel: mesh axes for Megatron sequence parallelism inside the stage (``lower``).
 
     Example:
@@ -219,6 +220,7 @@ def lower_stage(stage: Stage, mesh, specs: Mapping[str, P], batch: P, *, gather_
     with mesh_scope(mesh):
         joint = lower(traced, mesh, in_pl, out_pl, stored=stored, fsdp_axes=fsdp_axes,
                       sequence_parallel=sequence_parallel)
+        joint.graph_module = PassPipeline().run("after_lower", traced, joint.graph_module)
     head = 1 + has_x
     grads = dict(zip(stage.param_paths, joint.out_placements[head:head + len(stage.param_paths)]))
     layout = dataclasses.replace(layout, grads=grads)

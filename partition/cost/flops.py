@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from shardfn.partition.fx import moves_no_bytes, node_val
+from shardfn.partition.spmd.fx import moves_no_bytes, node_val
 
 aten = torch.ops.aten
 

@@ -2,7 +2,7 @@
 
 The graph is traced at *global* shapes with fake tensors, so nothing is computed or allocated;
 placements are attached later by propagation. The gradient of a stacked parameter is built by one
-``stack`` of its per-layer parts (``partition.fx.stack_gradients``), not summed from zero-filled
+``stack`` of its per-layer parts (``partition.spmd.fx.stack_gradients``), not summed from zero-filled
 ``select_backward`` s.
 
     traced = trace(train_step, (params, opt_state, batch))
@@ -20,8 +20,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.constrain import tracing_scope
-from shardfn.partition.fx import drop_detaches, stack_gradients
 from shardfn.partition.local_map import collecting_regions
+from shardfn.partition.spmd.fx import drop_detaches, stack_gradients
 
 
 @dataclass

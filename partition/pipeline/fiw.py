@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core._torch_private import fake_mode
-from shardfn.partition.fx import (
+from shardfn.partition.spmd.fx import (
     ancestors,
     descendants,
     extract_subgraph,
@@ -152,7 +152,7 @@ def trace_joint(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModu
 
 def _side_spec(stage):
     """The spec of the stage's part of the loss (0-d, the dtype of its ``"loss"`` side result)."""
-    from shardfn.partition.stages import TensorSpec
+    from shardfn.partition.pipeline.split import TensorSpec
 
     outs = output_nodes(stage.forward)
     return TensorSpec.of(node_val(outs[1 + stage.sides.index("loss")]))
@@ -172,7 +172,7 @@ def _data_spec(stage, path: str) -> torch.Tensor:
 def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") -> tuple[fx.GraphModule, list[str]]:
     """:func:`trace_joint` with each stacked parameter's gradient built by one ``stack``
     (:func:`stack_layer_grads`): the global joint that :func:`split_joint` cuts, directly or after
-    partitioning (``partition.stage_programs``). ``remat``: a ``partition.remat`` policy; what it
+    partitioning (``partition.pipeline.stage_programs``). ``remat``: a ``partition.passes.remat`` policy; what it
     does not save is recomputed in the backward (I and W), not kept from F.
 
         joint, names = joint_graph(stage, remat="selective")
@@ -182,7 +182,7 @@ def joint_graph(stage, device: torch.device | str = "cpu", remat: str = "none") 
     head = 1 + (stage.in_spec is not None)
     stack_layer_grads(gm, outs[head:head + len(stage.param_paths)])
     if remat != "none":
-        from shardfn.partition.remat import remat as rematerialize
+        from shardfn.partition.passes.remat import remat as rematerialize
 
         for node, name in zip((n for n in gm.graph.nodes if n.op == "placeholder"), names):
             node.meta.setdefault("sf_path", name)  # "param:layers.attn.wq": its stack is "param:layers"

@@ -14,7 +14,7 @@ the cuts instead. docs/pipeline.md has the whole design.
 
 Each stage is its own program ``(x, *data, *params) -> y``, where a stacked parameter is the
 stage's own slice ``w[l0:l1]`` with its ``select`` indices rebased, so a rank only ever holds
-its stages' layers. Its backward is split into F / I / W programs by ``partition.fiw``.
+its stages' layers. Its backward is split into F / I / W programs by ``partition.pipeline.fiw``.
 
     pipe = build_pipeline(loss_fn, params, microbatch, n_stages=4)
     print(pipe.describe())
@@ -32,10 +32,18 @@ import torch
 import torch.fx as fx
 
 from shardfn.core.pytree import flatten_with_paths
-from shardfn.partition.fiw import Part, differentiable_ops, split_fiw
-from shardfn.partition.flops import node_flops
-from shardfn.partition.fx import ancestors, descendants, extract_subgraph, identifier, nbytes, node_val, output_nodes
-from shardfn.partition.trace import trace
+from shardfn.partition.cost.flops import node_flops
+from shardfn.partition.pipeline.fiw import Part, differentiable_ops, split_fiw
+from shardfn.partition.spmd.fx import (
+    ancestors,
+    descendants,
+    extract_subgraph,
+    identifier,
+    nbytes,
+    node_val,
+    output_nodes,
+)
+from shardfn.partition.spmd.trace import trace
 
 STREAM_SUFFIX = "inputs"
 """The batch leaf whose path ends with this is the pipeline's stream source (token ids)."""
@@ -86,9 +94,9 @@ class Stage:
         data_paths: batch leaves the stage reads (``inputs``, ``targets``).
         in_spec: the incoming activation (None on stage 0); out_spec: the output (the loss on
             the last stage).
-        flops, param_bytes: the forward's cost (``partition.flops.node_flops`` summed) and the bytes of the
+        flops, param_bytes: the forward's cost (``partition.cost.flops.node_flops`` summed) and the bytes of the
             parameters it holds.
-        F, I, W: the split joint (``partition.fiw.split_fiw``); ``y_name``, ``dx_name`` and
+        F, I, W: the split joint (``partition.pipeline.fiw.split_fiw``); ``y_name``, ``dx_name`` and
             ``grad_names`` (aligned with ``param_paths``) name their results in the value env.
         sides: the forward's 0-d results after ``y`` (:func:`stage_sums`): ``"loss"``, this
             stage's part of the loss (its gradient seeded like the loss's: ``dloss``), and
@@ -219,7 +227,7 @@ class TracedLoss:
 
 
 def trace_loss(loss_fn: Callable, params: Any, batch: Any) -> TracedLoss:
-    """Trace ``loss_fn(params, batch)`` (one microbatch) with fake tensors (``partition.trace``).
+    """Trace ``loss_fn(params, batch)`` (one microbatch) with fake tensors (``partition.spmd.trace``).
 
     Example:
         traced = trace_loss(lambda p, b: model.loss(p, b, cfg), params, microbatch)

@@ -6,8 +6,8 @@ node). The default rules give the textbook layouts: ``dp`` replicates parameters
 batch; ``fsdp`` also splits every weight's ``embed`` dim (ZeRO-3: stored sharded, gathered on
 use); ``tp`` splits ``heads``/``kv_heads``/``mlp``/``expert_mlp``/``vocab`` column-then-row
 (Megatron); ``ep`` splits ``expert`` and acts as one more data axis elsewhere; ``pp`` splits the
-``layers`` into pipeline stages (``partition.stages``); ``cp`` splits the ``seq`` dim of every
-activation (context parallelism, ``partition.context``: the batch's tokens load-balanced, K/V
+``layers`` into pipeline stages (``partition.pipeline.split``); ``cp`` splits the ``seq`` dim of every
+activation (context parallelism, ``partition.spmd.context_rules``: the batch's tokens load-balanced, K/V
 gathered per attention layer). ``cp`` is listed in a mesh only when it is > 1
 (:data:`AXIS_ORDER`), so meshes and plans without it are as before.
 
@@ -43,10 +43,6 @@ SEQUENCE_AXIS = "cp"
 DATA_AXES = ("dp", "fsdp", "ep")
 """The axes the global batch is split over by default (``rules.batch``)."""
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""``partition.bucket_bytes``' default: PyTorch DDP's 25 MiB bucket (``bucket_cap_mb``). Used by
-the gradient bucketing pass (``partition.bucket``); kept here so a config loads without it."""
-
 LOGICAL_AXES = ("batch", "seq", *PARAM_AXES)
 """Logical axis names that rules may map: the activations' ``batch`` and ``seq``, and every name a
 parameter dim may carry (``models.contract.PARAM_AXES``; docs/models.md)."""
@@ -64,7 +60,7 @@ DEFAULT_RULES: dict[str, Any] = {
     "expert_mlp": "tp",
     "q_lora": None,
     "kv_lora": None,
-    "layers": None,  # pipeline stages split the layers (partition.stages)
+    "layers": None,  # pipeline stages split the layers (partition.pipeline.split)
     "norm": None,
 }
 """Rules for any logical axis a config does not mention (MaxText/TorchTitan-like layout)."""
@@ -170,7 +166,7 @@ def divisors(n: int) -> list[int]:
 
 def check_seq(seq_len: int, split: int) -> None:
     """Raise :class:`LayoutError` unless ``seq_len`` splits into ``2 * split`` equal chunks (each
-    context-parallel rank holds two, for causal load balance; ``partition.context``).
+    context-parallel rank holds two, for causal load balance; ``partition.spmd.context_rules``).
 
     Example:
         check_seq(100, 8)   # LayoutError: train.seq_len: 100 is not divisible by 2 * mesh.cp = 16; ...
@@ -279,7 +275,7 @@ def check_run(model, cfg) -> None:
         check_run(moe, load_config("moe_tiny", ["mesh.pp=4"]))   # LayoutError: mesh.pp: 4 pipeline stages ...
     """
     model = models.get(model)
-    from shardfn.partition.schedules import get_schedule, stages_per_rank
+    from shardfn.partition.pipeline.schedules import get_schedule, stages_per_rank
 
     axes = cfg.mesh.axes()
     rules = resolve_rules(cfg.rules, axes)

@@ -6,7 +6,7 @@ numbers; :func:`load_hardware` reads one by name or path into a frozen :class:`H
     hw = load_hardware("h100")
     hw.collective_time("all_reduce", 64 << 20, group_size=8, intra_node=True)  # ~2.9e-4 s
 
-Collective sizes follow the partitioner's reports (``partition.report``): ``nbytes`` is the full
+Collective sizes follow the partitioner's reports (``partition.spmd.report``): ``nbytes`` is the full
 buffer on one rank -- the tensor for all-reduce, the *gathered output* for all-gather, the
 *unreduced input* for reduce-scatter, the local buffer for all-to-all. With ``n`` ranks, link
 bandwidth ``bw`` and per-step latency ``alpha`` (ring algorithms)::
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "examples" / "hardware"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "examples" / "hardware"
 """Where named profiles live (``load_hardware("h100")`` reads ``h100.yaml`` here)."""
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -151,7 +151,7 @@ def load_hardware(name_or_path: "str | Path | Hardware") -> Hardware:
         if not path.is_file():
             raise ValueError(
                 f"unknown hardware {text!r}; valid names are {available_hardware()}, "
-                f"or pass the path of a YAML file with the fields of shardfn.partition.hardware.Hardware"
+                f"or pass the path of a YAML file with the fields of shardfn.partition.cost.hardware.Hardware"
             )
     elif not path.is_file():
         raise ValueError(f"hardware profile {text!r} does not exist; valid names are {available_hardware()}")

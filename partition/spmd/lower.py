@@ -19,13 +19,12 @@ from torch.distributed.tensor import DTensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.core import _torch_private as private
-from shardfn.partition.grouped_heads import read_grouped_heads
-from shardfn.partition.propagate import ShardingError, ShardingInterpreter
-from shardfn.partition.trace import Traced
+from shardfn.partition.spmd.propagate import ShardingError, ShardingInterpreter
+from shardfn.partition.spmd.trace import Traced
 
 COLLECTIVES = {
     "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",   # in place, on a buffer of its own (partition.bucket)
+    "all_reduce_": "all_reduce",   # in place, on a buffer of its own (partition.passes.bucket)
     "all_gather_into_tensor": "all_gather",
     "reduce_scatter_tensor": "reduce_scatter",
     "all_to_all_single": "all_to_all",
@@ -103,7 +102,6 @@ def lower(
     private.clear_sharding_cache()
     with private.faster_propagation():
         gm = make_fx(local_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*example)
-    read_grouped_heads(gm)  # local shapes: the fused attention kernels read key/value groups without repeats
     return Lowered(gm, list(in_placements), kept, example)
 
 

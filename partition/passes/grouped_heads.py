@@ -32,7 +32,7 @@ form's only in the order each group's sum is taken (float rounding). An attentio
 are not repeated this way, that has a mask, or whose gradients go anywhere but their group sum,
 stays as it was.
 
-    gm = read_grouped_heads(lowered.graph_module)    # in place; ``lower`` runs it
+    gm = read_grouped_heads(lowered.graph_module)    # in place; the first after_lower pass (passes/points.py)
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ Three pieces, and no model code (see docs/context.md):
   partitioner reduce-scatters back onto the split sequence. Everything else in the model is
   per token and needs no rule of ours.
 - **Layout facts** (the ``cp`` axis, the ``seq`` rule, divisibility) live in
-  ``partition.layouts``.
+  ``partition.layouts.axes``.
 
     batch = balanced_batch(batch, cp=2)       # tokens in load-balanced order, with positions
-    register_rules()                          # once (partition.rules.register_all calls it)
+    register_rules()                          # once (partition.spmd.op_rules.register_all calls it)
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ _registered = False
 def register_rules() -> dict:
     """Sharding rules for ``shardfn::positional_attention`` and its backward (idempotent).
     Returns ``{op: {output index: input index}}``: the backward's dK and dV partial sums are
-    reduced onto K's and V's placements at once (``partition.rules.REDUCE_LIKE_INPUT``).
+    reduced onto K's and V's placements at once (``partition.spmd.op_rules.REDUCE_LIKE_INPUT``).
 
     Per mesh dim: all replicated; split over the batch (dim 0); split over heads (dim 1, the
     positions replicated); split over the sequence (queries and their positions split, keys,

@@ -23,7 +23,7 @@ _registered = False
 REDUCE_LIKE_INPUT: dict = {}
 """op -> {output index: input index}: a partial-sum output is reduced at once onto that input's
 placements (a reduce-scatter where the input is sharded), so a gradient comes back laid out as
-its value was; filled by the modules that register such ops (``partition.context``)."""
+its value was; filled by the modules that register such ops (``partition.spmd.context_rules``)."""
 
 
 def register_all() -> None:
@@ -34,7 +34,7 @@ def register_all() -> None:
     _registered = True
 
     import shardfn.core.grouped_mm  # noqa: F401  (registers shardfn::grouped_mm)
-    from shardfn.partition.context import register_rules
+    from shardfn.partition.spmd.context_rules import register_rules
 
     REDUCE_LIKE_INPUT.update(register_rules())  # context parallelism: attention over a sequence split on cp
 

@@ -1,6 +1,6 @@
 """Communication hidden behind compute: a scheduling pass on the per-rank program.
 
-A lowered per-rank program (``partition.lower``) issues each functional collective
+A lowered per-rank program (``partition.spmd.lower``) issues each functional collective
 (``_c10d_functional.all_gather_into_tensor``, ``reduce_scatter_tensor``, ``all_reduce``,
 ``all_to_all_single``) where its value is first needed and waits on it at once
 (``_c10d_functional.wait_tensor`` right after). Functional collectives are asynchronous until

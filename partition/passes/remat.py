@@ -1,6 +1,6 @@
 """Activation checkpointing (remat) as a pass on a traced joint graph.
 
-A joint graph (forward, backward and optimizer, as ``partition.trace`` makes it) keeps every
+A joint graph (forward, backward and optimizer, as ``partition.spmd.trace`` makes it) keeps every
 forward value the backward reads alive from the forward to its use in the backward. This pass
 decides, by a *policy*, which of those values are saved; every other one is recomputed in the
 backward from saved values, by copies of its forward ops inserted just before the first backward
@@ -36,7 +36,7 @@ from typing import Callable, Union
 import torch
 import torch.fx as fx
 
-from shardfn.partition.fx import ancestors
+from shardfn.partition.spmd.fx import ancestors
 
 Policy = Union[str, Callable[[fx.Node], bool]]
 POLICIES = ("none", "full", "selective")
@@ -215,7 +215,7 @@ def rematerialized(fn: Callable, policy: Policy = "full", *, backend: str | None
     """
     import optree
 
-    from shardfn.partition.trace import flatten_args, trace
+    from shardfn.partition.spmd.trace import flatten_args, trace
 
     policy = check_policy(policy)
     programs: dict = {}
