@@ -36,6 +36,32 @@ from shardfn.partition.spmd.fx import (
 _DIFFERENTIABLE: dict[Any, Callable] = {}
 
 
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Static shape and dtype of a value that crosses a program boundary.
+
+        TensorSpec((2, 8, 64), torch.float32).nbytes  # 4096
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorSpec":
+        return TensorSpec(tuple(int(d) for d in t.shape), t.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=device)
+
+
 def register_differentiable(op: Any, fn: Callable) -> None:
     """Make stage programs call ``fn`` where the traced loss called the custom op ``op``.
 
@@ -152,8 +178,6 @@ def trace_joint(stage, device: torch.device | str = "cpu") -> tuple[fx.GraphModu
 
 def _side_spec(stage):
     """The spec of the stage's part of the loss (0-d, the dtype of its ``"loss"`` side result)."""
-    from shardfn.partition.pipeline.split import TensorSpec
-
     outs = output_nodes(stage.forward)
     return TensorSpec.of(node_val(outs[1 + stage.sides.index("loss")]))
 

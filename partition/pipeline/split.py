@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from shardfn.core.pytree import flatten_with_paths
 from shardfn.partition.cost.flops import node_flops
-from shardfn.partition.pipeline.fiw import Part, differentiable_ops, split_fiw
+from shardfn.partition.pipeline.fiw import Part, TensorSpec, differentiable_ops, split_fiw
 from shardfn.partition.spmd.fx import (
     ancestors,
     descendants,
@@ -54,31 +54,6 @@ _SPLIT = torch.ops.shardfn.pipeline_split.default
 
 class PipelineError(ValueError):
     """The model cannot be split as asked; the message names the value and the config key."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Static shape and dtype of a value that crosses a program boundary.
-
-        TensorSpec((2, 8, 64), torch.float32).nbytes  # 4096
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> "TensorSpec":
-        return TensorSpec(tuple(int(d) for d in t.shape), t.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
-    def empty(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=device)
 
 
 @dataclass
