@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
+from test_auto import fake, mlp_step
 
 import shardfn as sf
 from shardfn import P
@@ -21,19 +21,6 @@ from shardfn.partition.auto.problem import _US
 from shardfn.partition.cost.hardware import Hardware, efficiency, load_hardware
 from shardfn.partition.cost.model import CostModel
 from shardfn.partition.spmd.trace import trace
-
-
-def mlp_loss(p, x):
-    return (F.gelu(x @ p["w1"]) @ p["w2"]).pow(2).mean()
-
-
-def mlp_step(p, x):
-    g, loss = torch.func.grad_and_value(mlp_loss)(p, x)
-    return {k: p[k] - 0.1 * g[k] for k in p}, loss
-
-
-def fake(*shape):
-    return torch.empty(*shape, device="meta")
 
 
 def mlp_args(d=256, h=1024, tokens=64):

@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 
 from shardfn.partition.passes import DEFAULT_BUCKET_BYTES
-from shardfn.partition.spmd.fx import is_view
+from shardfn.partition.spmd.fx import is_view, memory_order
 from shardfn.partition.spmd.lower import collective_nodes
 
 _aten = torch.ops.aten
@@ -147,7 +147,7 @@ def _member(node: torch.fx.Node, kind: str, position: dict) -> _Member | None:
     inp, out = node.args[0].meta.get("val"), wait.meta.get("val")
     if not isinstance(inp, torch.Tensor) or not isinstance(out, torch.Tensor) or inp.numel() == 0:
         return None
-    if _memory_order(out) is None:
+    if memory_order(out) is None:
         return None
     if kind == "reduce_scatter":
         ranks = node.args[2]
@@ -155,18 +155,6 @@ def _member(node: torch.fx.Node, kind: str, position: dict) -> _Member | None:
             return None
     nbytes = inp.numel() * inp.element_size()
     return _Member(node, wait, nbytes, position[node.args[0]], min(position[u] for u in wait.users))
-
-
-def _memory_order(t: torch.Tensor) -> list[int] | None:
-    """The dims of ``t`` from outermost to innermost in memory, or None when ``t`` is not dense
-    (overlapping or with gaps), so cannot be a view of a flat buffer in that order."""
-    order = sorted(range(t.ndim), key=lambda d: (-t.stride(d), d))
-    expected = 1
-    for d in reversed(order):
-        if t.shape[d] != 1 and t.stride(d) != expected:
-            return None
-        expected *= t.shape[d]
-    return order
 
 
 def _rewrite(graph: torch.fx.Graph, bucket: _Bucket, index: int) -> None:
@@ -243,7 +231,7 @@ def _all_reduce_bucket(graph, bucket):
     flats, layouts, unstacked = [], [], []
     for m in bucket.members:
         inp, out = m.collective.args[0], m.wait.meta["val"]
-        order = _memory_order(out)
+        order = memory_order(out)
         permuted = [out.shape[d] for d in order]
         src = inp
         if order != list(range(out.ndim)):

@@ -32,6 +32,8 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
+from shardfn.partition.spmd.fx import memory_order
+
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 
@@ -169,17 +171,7 @@ def _fits(a, out: torch.Tensor) -> bool:
         return False
     if val.device != out.device or val.stride() != out.stride():
         return False
-    return val.numel() > 0 and _dense(val)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    order = sorted(range(t.ndim), key=lambda d: (-t.stride(d), d))
-    expected = 1
-    for d in reversed(order):
-        if t.shape[d] != 1 and t.stride(d) != expected:
-            return False
-        expected *= t.shape[d]
-    return True
+    return val.numel() > 0 and memory_order(val) is not None
 
 
 def _dies_here(a: fx.Node, i: int, base: dict, children: dict, last_read: dict, position: dict) -> bool:

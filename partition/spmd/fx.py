@@ -224,3 +224,18 @@ def stack_gradients(gm: fx.GraphModule) -> fx.GraphModule:
     if roots:
         stack_layer_grads(gm, roots)
     return gm
+
+
+def memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dims of ``t`` from outermost to innermost in memory, or None when ``t`` is not dense
+    (overlapping or with gaps), so cannot be a view of a flat buffer in that order.
+
+        memory_order(torch.empty(2, 3).t())  # [1, 0]
+    """
+    order = sorted(range(t.ndim), key=lambda d: (-t.stride(d), d))
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.shape[d]
+    return order
