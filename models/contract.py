@@ -168,6 +168,15 @@ class Model:
         except (OSError, TypeError):
             return True
 
+    def takes_experts(self) -> bool:
+        """Whether the model's loss takes ``experts=`` (its routed experts as a function a layout
+        may replace, e.g. by the expert-parallel exchange).
+
+            models.get("moe").takes_experts()   # True
+        """
+        fn = getattr(self.module, "loss", None) or self.module.loss_and_aux
+        return "experts" in inspect.signature(fn).parameters
+
     def loss(self, params: PyTree, batch: dict, cfg: Any, *, experts=None) -> torch.Tensor:
         """The module's ``loss`` (or ``loss_and_aux``'s value); ``experts`` reaches it only when it
         takes that keyword (a model with routed experts)."""

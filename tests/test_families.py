@@ -7,6 +7,7 @@ The transformers comparisons are in tests/test_hf_families.py.
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -122,3 +123,13 @@ def test_plan_works_for_every_family(name, over, capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["time"]["step_s"] > 0 and plan["tokens_per_s_per_device"] > 0 and plan["fits"]
     assert plan["per_rank"]["params_bytes"] > 0   # the traced detail: the family lowered on the mesh
+
+
+def test_experts_outside_the_exchange_are_named_under_ep():
+    """gpt-oss's loss takes no ``experts=``: ep splits its experts' storage only, and says so;
+    a family whose loss takes them runs the all-to-all exchange and says nothing."""
+    with pytest.warns(UserWarning, match=r"mesh\.ep=2: model 'gpt_oss''s loss takes no experts=.*no all-to-all"):
+        check_run(models.get("gpt_oss"), _config("gpt_oss_tiny", "mesh.ep=2"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_run(models.get("qwen3_moe"), _config("qwen3_moe_tiny", "mesh.ep=2"))

@@ -19,6 +19,7 @@ gathered per attention layer). ``cp`` is listed in a mesh only when it is > 1
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 import optree
@@ -248,6 +249,11 @@ def check_model(model, model_cfg, axes: Mapping[str, int], rules: Mapping | None
         raise LayoutError(f"mesh.{name}", f"{axes[name]}, but model {model.name!r} has no parameter dim on the "
                                           f"logical axis 'expert', so there are no experts to split; give the "
                                           f"experts' dim the axis 'expert' in its param_table, or set mesh.{name}=1")
+    if expert_axes and not model.takes_experts():
+        name = expert_axes[-1]
+        warnings.warn(f"mesh.{name}={axes[name]}: model {model.name!r}'s loss takes no experts=, so its experts run "
+                      f"where they are called: stored split over {name} and all-gathered on use, with no all-to-all "
+                      f"exchange of tokens (correct, but not expert parallelism; docs/models.md)", stacklevel=2)
     for logical, (key, count) in units.items():
         names = [n for n in entry_axes(rules.get(logical)) if axes.get(n, 1) > 1]
         check_divides(names, axes, key, count)
