@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from shardfn.core._torch_private import profiler_enabled
-from shardfn.core.custom_ops import register_autograd
 from shardfn.core.transforms import eager
 
 __all__ = ["grouped_mm", "grouped_mm_now", "alignment"]
@@ -86,7 +85,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
                              f"alignment of the grouped GEMM); pad the expert dims, e.g. to {size + (-size) % a}")
     if eager():  # plain autograd on plain tensors: the kernel itself, with no op dispatch around it
         return _GroupedMMNow.apply(x, w, offs)
-    return _differentiable(x, w, offs)
+    return _GroupedMM.apply(x, w, offs)
 
 
 def grouped_mm_now(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -129,39 +128,49 @@ def _(x, w, offs):
     return x.new_empty((offs.shape[0], x.shape[0], w.shape[1]))  # [K, T] x [T, N] -> [E, K, N]
 
 
-def _derivative(op, ctx, grad):
-    """``(dx, dw, None)`` of ``y = op(x, w, offs)`` with the tensors ``ctx`` saved, computed by
-    ``op`` itself (differentiable again, so higher-order gradients work)."""
-    x, w, offs = ctx.saved_tensors
-    grad = grad.contiguous()  # the kernel rejects expanded (stride-0) cotangents
-    dx = dw = None
-    if w.dim() == 3:
-        # y[rows_e] = x[rows_e] @ w[e]:  dx = dy @ w[e]^T,  dw[e] = x[rows_e]^T @ dy[rows_e]
-        if ctx.needs_input_grad[0]:
-            dx = op(grad, w.transpose(1, 2), offs)           # [T, N] x [E, N, K] -> [T, K]
-        if ctx.needs_input_grad[1]:
-            dw = op(x.t(), grad, offs)                       # [K, T] x [T, N] -> [E, K, N]
-    else:
-        # out[e] = x[:, rows_e] @ y[rows_e]  (x [K, T], w = y [T, N], grad [E, K, N])
-        if ctx.needs_input_grad[0]:
-            dx = op(w, grad.transpose(1, 2), offs).t()       # [T, N] x [E, N, K] -> [T, K] -> [K, T]
-        if ctx.needs_input_grad[1]:
-            dw = op(x.t(), grad, offs)                       # [T, K] x [E, K, N] -> [T, N]
-    return dx, dw, None
+class _GroupedMM(torch.autograd.Function):
+    """The op with its derivative, in the form ``torch.func`` transforms accept (``setup_context``).
+
+    ``custom_op``'s own ``register_autograd`` is not usable under ``torch.func.grad`` on this
+    torch, so the public function goes through this Function; the op also gets the same formula
+    for plain ``torch.autograd`` callers of ``torch.ops.shardfn.grouped_mm``.
+    """
+
+    @staticmethod
+    def forward(x, w, offs):
+        return torch.ops.shardfn.grouped_mm(x, w, offs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w, offs = inputs
+        ctx.save_for_backward(x, w, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()  # the kernel rejects expanded (stride-0) cotangents
+        op = _GroupedMM.apply  # differentiable again, so higher-order grads work
+        dx = dw = None
+        if w.dim() == 3:
+            # y[rows_e] = x[rows_e] @ w[e]:  dx = dy @ w[e]^T,  dw[e] = x[rows_e]^T @ dy[rows_e]
+            if ctx.needs_input_grad[0]:
+                dx = op(grad, w.transpose(1, 2), offs)           # [T, N] x [E, N, K] -> [T, K]
+            if ctx.needs_input_grad[1]:
+                dw = op(x.t(), grad, offs)                       # [K, T] x [T, N] -> [E, K, N]
+        else:
+            # out[e] = x[:, rows_e] @ y[rows_e]  (x [K, T], w = y [T, N], grad [E, K, N])
+            if ctx.needs_input_grad[0]:
+                dx = op(w, grad.transpose(1, 2), offs).t()       # [T, N] x [E, N, K] -> [T, K] -> [K, T]
+            if ctx.needs_input_grad[1]:
+                dw = op(x.t(), grad, offs)                       # [T, K] x [E, K, N] -> [T, N]
+        return dx, dw, None
 
 
-def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-_differentiable = register_autograd(_grouped_mm_op, lambda ctx, grad: _derivative(_differentiable, ctx, grad),
-                                    setup_context=_save_inputs)
-"""The op with its derivative, in the form ``torch.func`` transforms accept; plain
-``torch.autograd`` callers of ``torch.ops.shardfn.grouped_mm`` get the same formula."""
+_grouped_mm_op.register_autograd(_GroupedMM.backward, setup_context=_GroupedMM.setup_context)
 
 
 class _GroupedMMNow(torch.autograd.Function):
-    """The differentiable op run eagerly: the kernel called directly (no custom-op dispatch, no
+    """:class:`_GroupedMM` run eagerly: the kernel called directly (no custom-op dispatch, no
     profiler scope unless a profiler records), the same backward formulas. What
     :func:`grouped_mm` takes when nothing traces it (``core.transforms.eager``)."""
 
@@ -175,4 +184,18 @@ class _GroupedMMNow(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _derivative(_GroupedMMNow.apply, ctx, grad)  # differentiable again (create_graph)
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()  # the kernel rejects expanded (stride-0) cotangents
+        op = _GroupedMMNow.apply  # differentiable again (create_graph), a plain call otherwise
+        dx = dw = None
+        if w.dim() == 3:
+            if ctx.needs_input_grad[0]:
+                dx = op(grad, w.transpose(1, 2), offs)
+            if ctx.needs_input_grad[1]:
+                dw = op(x.t(), grad, offs)
+        else:
+            if ctx.needs_input_grad[0]:
+                dx = op(w, grad.transpose(1, 2), offs).t()
+            if ctx.needs_input_grad[1]:
+                dw = op(x.t(), grad, offs)
+        return dx, dw, None
