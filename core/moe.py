@@ -28,9 +28,8 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from shardfn.core.grouped_mm import grouped_mm
+from shardfn.core.expert_ffn import SWIGLU, ExpertFFN
 from shardfn.core.layers import swiglu
 from shardfn.core.scope import scope
 
@@ -178,10 +177,13 @@ def expert_compute(x_sorted: torch.Tensor, counts: torch.Tensor, w1: torch.Tenso
     Example:
         y = expert_compute(torch.randn(6, 16), torch.tensor([4, 0, 2]), w1, w2, w3)  # [6, 16]
     """
+    return _ffn_compute(SWIGLU, x_sorted, counts, (w1, w2, w3))
+
+
+def _ffn_compute(ffn: ExpertFFN, x_sorted: torch.Tensor, counts: torch.Tensor, weights: tuple) -> torch.Tensor:
     with scope("shardfn.moe.experts"):
         offs = torch.cumsum(counts, 0).to(torch.int32)                         # [E] group ends
-        h = F.silu(grouped_mm(x_sorted, w1, offs)) * grouped_mm(x_sorted, w3, offs)  # [R, F]
-        return grouped_mm(h, w2, offs)                                         # [R, D]
+        return ffn(x_sorted, offs, *weights)                                   # [R, D]
 
 
 def combine(y_sorted: torch.Tensor, d: Dispatch, weights: torch.Tensor) -> torch.Tensor:
@@ -205,15 +207,19 @@ def combine(y_sorted: torch.Tensor, d: Dispatch, weights: torch.Tensor) -> torch
         return out.index_add(0, d.token, y_sorted * w_sorted)                  # [T, D]
 
 
-def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                   w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, *expert_weights: torch.Tensor,
+                   ffn: ExpertFFN = SWIGLU) -> torch.Tensor:
     """The routed part of the layer on one device: dispatch, experts, combine (dropless).
 
     This is the seam for expert parallelism: a function with this signature
-    (``runtime.moe_dispatch.ExpertRegion``) can replace it in :func:`moe_layer` (its ``routed_fn``).
+    (``runtime.moe_dispatch.ExpertRegion``) can replace it in :func:`moe_layer` (its ``routed_fn``)
+    and in any model whose loss takes ``experts=``.
 
     Args:
-        x: ``[T, D]``; indices, weights: ``[T, k]``; w1, w3: ``[E, D, F]``; w2: ``[E, F, D]``.
+        x: ``[T, D]``; indices, weights: ``[T, k]``.
+        expert_weights: the experts' stacked weights as ``ffn`` takes them (``SwiGLU``:
+            ``w1, w3 [E, D, F]``, ``w2 [E, F, D]``).
+        ffn: the experts' feed-forward (``core.expert_ffn``).
 
     Returns:
         ``[T, D]``.
@@ -221,8 +227,8 @@ def routed_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
     Example:
         y = routed_experts(x, r.indices, r.weights, p["experts"]["w1"], p["experts"]["w2"], p["experts"]["w3"])
     """
-    x_sorted, d = dispatch(x, indices, w1.shape[0])
-    return combine(expert_compute(x_sorted, d.counts, w1, w2, w3), d, weights)
+    x_sorted, d = dispatch(x, indices, expert_weights[0].shape[0])
+    return combine(_ffn_compute(ffn, x_sorted, d.counts, expert_weights), d, weights)
 
 
 # ----------------------------------------------------------------------------- balance

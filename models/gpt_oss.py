@@ -34,7 +34,7 @@ import torch
 
 from shardfn.core import layers as L
 from shardfn.core import moe
-from shardfn.core.grouped_mm import grouped_mm
+from shardfn.core.expert_ffn import ClampedSwiGLU
 from shardfn.core.init import normal, ones, stacked
 from shardfn.core.layers import RopeScaling
 from shardfn.core.pytree import PyTree, flatten_with_paths
@@ -178,29 +178,28 @@ def route(p: PyTree, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, torch.
     return indices, torch.softmax(top, dim=-1)
 
 
-def experts(e: PyTree, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Each token through its top-k experts (dropless: ``core.moe`` dispatch, grouped GEMMs, combine),
-    each expert ``clamped_swiglu(x @ w13 + b13) @ w2 + b2``. ``[T, D]``."""
-    x_sorted, d = moe.dispatch(x, indices, cfg.n_experts)                         # [T*k, D] expert-major
-    offs = torch.cumsum(d.counts, 0).to(torch.int32)
-    chosen = indices.reshape(-1)[d.order]                                         # [T*k] each row's expert
-    h = grouped_mm(x_sorted, e["w13"], offs) + e["b13"][chosen]                   # [T*k, 2F]
-    h = L.clamped_swiglu(h, limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)       # [T*k, F]
-    return moe.combine(grouped_mm(h, e["w2"], offs) + e["b2"][chosen], d, weights)
+def experts(e: PyTree, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, cfg: Config,
+            routed=None) -> torch.Tensor:
+    """Each token through its top-k experts, each ``clamped_swiglu(x @ w13 + b13) @ w2 + b2``
+    (``core.expert_ffn.ClampedSwiGLU``). ``routed`` runs them (None: ``core.moe.routed_experts``,
+    dropless on this device; under ``mesh.ep`` the expert-parallel exchange). ``[T, D]``."""
+    ffn = ClampedSwiGLU(limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
+    return (routed or moe.routed_experts)(x, indices, weights, e["w13"], e["b13"], e["w2"], e["b2"], ffn=ffn)
 
 
 @repeated
-def block(p: PyTree, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config, window: int) -> torch.Tensor:
+def block(p: PyTree, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cfg: Config, window: int,
+          routed=None) -> torch.Tensor:
     """One pre-norm layer; ``p`` is one layer's slice of ``params["layers"]``. ``[B, S, D]``."""
     h = h + attention(p["attn"], L.rms_norm(h, p["attn_norm"], cfg.norm_eps), cos, sin, cfg, window)
     b, s, d = h.shape
     x = L.rms_norm(h, p["mlp_norm"], cfg.norm_eps).reshape(b * s, d)              # [T, D]
     indices, weights = route(p, x, cfg)
-    return h + experts(p["experts"], x, indices, weights, cfg).view(b, s, d)
+    return h + experts(p["experts"], x, indices, weights, cfg, routed).view(b, s, d)
 
 
-def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]``.
+def apply(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` for ``tokens`` ``[B, S]``; ``experts`` as in :func:`loss`.
 
     Example:
         logits = apply(models.get("gpt_oss").init(cfg, 0), torch.zeros(2, 16, dtype=torch.long), cfg)
@@ -210,12 +209,14 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
                              device=h.device, dtype=h.dtype)
     for i, p in enumerate(L.unstack(params["layers"], cfg.n_layers)):
         with L.scope(f"shardfn.layer.{i}"):
-            h = block(p, h, cos, sin, cfg, cfg.window(i))
+            h = block(p, h, cos, sin, cfg, cfg.window(i), experts)
     return L.linear(L.rms_norm(h, params["norm"], cfg.norm_eps), params["out"])  # [B, S, V]
 
 
-def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
-    """Mean cross-entropy of :func:`apply` against ``batch["targets"]``.
+def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
+    """Mean cross-entropy of :func:`apply` against ``batch["targets"]``. ``experts``: the routed
+    experts as a function of ``core.moe.routed_experts``' signature (a layout's expert-parallel
+    all-to-all region).
 
     Example:
         loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
@@ -223,7 +224,7 @@ def loss(params: PyTree, batch: dict, cfg: Config) -> torch.Tensor:
     if "positions" in batch:
         raise ValueError("model gpt_oss reads its tokens in order (sink and sliding-window attention); the batch has "
                          "reordered tokens (batch['positions']): train without cp")
-    return L.cross_entropy(apply(params, batch["inputs"], cfg), batch["targets"])
+    return L.cross_entropy(apply(params, batch["inputs"], cfg, experts=experts), batch["targets"])
 
 
 # ----------------------------------------------------------------------------- contract members

@@ -34,15 +34,16 @@ them in its ``comm_report`` (``sf.local_map(..., records=exchange)``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardfn.core.grouped_mm import grouped_mm_now
+from shardfn.core.expert_ffn import SWIGLU, ExpertFFN, _silu_mul_backward, ffn_from
 from shardfn.core.registry import Registry
 from shardfn.runtime.interleave import handoff
 
@@ -59,8 +60,7 @@ class _Saved:
     perm: torch.Tensor         # [R] received row -> expert-major row
     offs: torch.Tensor         # [E_local] int32 cumulative rows per local expert
     xs: torch.Tensor           # [R, D] expert inputs, expert-major
-    h1: torch.Tensor           # [R, F] xs @ w1 per expert (before the SiLU)
-    h3: torch.Tensor           # [R, F] xs @ w3 per expert
+    kept: tuple                # what the experts' FFN keeps for its backward (SwiGLU: xs @ w1, xs @ w3)
     y_assign: torch.Tensor     # [t * k, D] expert output per assignment (0 where dropped)
 
 
@@ -134,38 +134,12 @@ def _swiglu(x, w1, w2, w3):
     return (F.silu(a1) * a3) @ w2, a1, a3
 
 
-def _silu_mul_backward(dh, h1, h3):
-    """``(silu(h1) * h3, dh1, dh3)``: the product again and the cotangents of its factors for
-    ``dh``, with autograd's own kernels (``mul``'s backward, ``silu_backward``), so the result
-    is bitwise what autograd gives."""
-    s = F.silu(h1)
-    return s * h3, torch.ops.aten.silu_backward(dh * h3, h1), dh * s
-
-
 def _swiglu_backward(g, x, a1, a3, w1, w2, w3):
     """``(dx, dw1, dw2, dw3)`` of :func:`_swiglu` for ``g [T, D]`` from what its forward kept
     (``x``, ``a1``, ``a3``): no matmul of the forward again. Bitwise autograd's."""
     dh = g @ w2.t()                                          # [T, Hs]
     h, da1, da3 = _silu_mul_backward(dh, a1, a3)
     return da1 @ w1.t() + da3 @ w3.t(), x.t() @ da1, h.t() @ g, x.t() @ da3
-
-
-def _expert_ffn(xs, offs, w1, w2, w3):
-    """The local experts on their expert-major rows ``xs [R, D]``: ``(out [R, D], h1, h3)``, the
-    pre-activations ``[R, F]`` kept for :func:`_expert_ffn_backward`."""
-    h1, h3 = grouped_mm_now(xs, w1, offs), grouped_mm_now(xs, w3, offs)
-    return grouped_mm_now(F.silu(h1) * h3, w2, offs), h1, h3
-
-
-def _expert_ffn_backward(d_out, xs, h1, h3, offs, w1, w2, w3):
-    """``(dxs, dw1, dw2, dw3)`` of :func:`_expert_ffn` from what its forward kept: six grouped
-    GEMMs (the hidden cotangent, two for the input, three for the weights), none of the
-    forward's again; ``core.grouped_mm``'s backward formulas, so bitwise autograd's."""
-    dh = grouped_mm_now(d_out, w2.transpose(1, 2), offs)                # [R, F]
-    h, dh1, dh3 = _silu_mul_backward(dh, h1, h3)
-    dxs = grouped_mm_now(dh1, w1.transpose(1, 2), offs) + grouped_mm_now(dh3, w3.transpose(1, 2), offs)
-    dw1, dw2, dw3 = (grouped_mm_now(a.t(), b, offs) for a, b in ((xs, dh1), (h, d_out), (xs, dh3)))
-    return dxs, dw1, dw2, dw3                                           # [R, D], [E, D, F], [E, F, D], [E, D, F]
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, *, async_op=False):
@@ -216,9 +190,10 @@ def _chunk_rows(T: int, chunks: int) -> list[slice]:
     return [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [slice(0, T)]
 
 
-def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_factor: float = 0.0,
-               shared=None, *, exchange: Exchange, chunks: int = 1):
-    """Eager EP forward on this rank's tokens, recorded in ``exchange``. Returns
+def ep_forward(x, idx, weights, expert_weights, group, n_experts: int, capacity_factor: float = 0.0,
+               shared=None, *, exchange: Exchange, chunks: int = 1, ffn: ExpertFFN = SWIGLU):
+    """Eager EP forward on this rank's tokens, recorded in ``exchange``: the local experts
+    (``expert_weights``, this rank's ``[E_local, ...]`` slices) through ``ffn``. Returns
     ``(y [T, D], handle, dropped)``.
 
     The shared experts run while the dispatch is in flight. With ``chunks > 1`` the tokens are
@@ -250,12 +225,12 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
         perm = torch.argsort(expert_of_row, stable=True)         # received -> expert-major
         offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
         xs = recv[perm]
-        out, h1, h3 = _expert_ffn(xs, offs, w1, w2, w3)          # overlaps the earlier chunks' combines
+        out, kept = ffn.forward(xs, offs, *expert_weights)       # overlaps the earlier chunks' combines
         back_src = torch.empty_like(out)
         back_src[perm] = out
         exchange._record(layer, "combine", back_src, out_splits, me, group)
         combines.append(_a2a(back_src, in_splits, out_splits, group, async_op=True))
-        saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs, h1, h3])
+        saved.append([rows, tok, order, in_splits, out_splits, perm, offs, xs, kept])
     y_assign = x.new_zeros((T * k, D))
     for (back, work), (rows, tok, order, *rest) in zip(combines, saved):
         _wait(work)
@@ -264,16 +239,16 @@ def ep_forward(x, idx, weights, w1, w2, w3, group, n_experts: int, capacity_fact
     y = (y_assign.view(T, k, D) * weights.unsqueeze(-1)).sum(1)
     if y_shared is not None:
         y = y + y_shared
-    chunk_saved = [_Saved(rows, tok, order, in_splits, out_splits, perm, offs, xs, h1, h3,
+    chunk_saved = [_Saved(rows, tok, order, in_splits, out_splits, perm, offs, xs, kept,
                           y_assign[rows.start * k:rows.stop * k])
-                   for rows, tok, order, in_splits, out_splits, perm, offs, xs, h1, h3 in saved]
+                   for rows, tok, order, in_splits, out_splits, perm, offs, xs, kept in saved]
     handle = exchange.keep(_Layer((T, D), chunk_saved, weights, group, layer, x if shared is not None else None,
                                   a1, a3))
     return y, handle, dropped
 
 
-def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Exchange):
-    """Cotangents ``(dx, dweights, dw1, dw2, dw3[, ds1, ds2, ds3])`` of ``ep_forward``, chunk by
+def ep_backward(handle: int, grad_y, expert_weights, shared=None, *, exchange: Exchange, ffn: ExpertFFN = SWIGLU):
+    """Cotangents ``(dx, dweights, *d_expert_weights[, ds1, ds2, ds3])`` of ``ep_forward``, chunk by
     chunk as the forward ran: every output cotangent sent at once, the shared experts'
     backward behind them, each chunk's expert backward behind the later chunks' exchanges."""
     s = exchange.saved.pop(handle)
@@ -295,7 +270,7 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
     for c, (d_recv, work) in zip(s.chunks, pending):
         _wait(work)
         d_out = d_recv[c.perm]
-        dxs, *dw_c = _expert_ffn_backward(d_out, c.xs, c.h1, c.h3, c.offs, w1, w2, w3)
+        dxs, *dw_c = ffn.backward(d_out, c.xs, c.kept, c.offs, *expert_weights)
         dw = dw_c if dw is None else [a + b for a, b in zip(dw, dw_c)]
         d_back = torch.empty_like(dxs)
         d_back[c.perm] = dxs
@@ -316,65 +291,64 @@ def ep_backward(handle: int, grad_y, w1, w2, w3, shared=None, *, exchange: Excha
 
 @torch.library.custom_op("shardfn::ep_experts", mutates_args=())
 def _ep_experts(
-    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor],
-    group_name: str, n_experts: int, capacity_factor: float, exchange: int, chunks: int = 1,
+    x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, expert_weights: List[torch.Tensor],
+    shared: List[torch.Tensor], group_name: str, n_experts: int, capacity_factor: float, exchange: int,
+    chunks: int, ffn: str, ffn_args: List[float],
 ) -> List[torch.Tensor]:
-    group = _group(group_name)
-    shared = (s1, s2, s3) if s1 is not None else None
-    y, handle, dropped = ep_forward(x, idx, weights, w1, w2, w3, group, n_experts, capacity_factor, shared,
-                                    exchange=_exchanges[exchange], chunks=chunks)
-    return [y, _handle_tensor(handle, x, idx, w1, s1)]
+    kind = ffn_from(ffn, ffn_args)
+    y, handle, dropped = ep_forward(x, idx, weights, expert_weights, _group(group_name), n_experts, capacity_factor,
+                                    shared or None, exchange=_exchanges[exchange], chunks=chunks, ffn=kind)
+    return [y, _handle_tensor(handle, x, idx, expert_weights[0], shared[0] if shared else None, kind)]
 
 
 @_ep_experts.register_fake
-def _(x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange, chunks=1):
-    return [torch.empty_like(x), _handle_tensor(0, x, idx, w1, s1)]
+def _(x, idx, weights, expert_weights, shared, group_name, n_experts, capacity_factor, exchange, chunks, ffn,
+      ffn_args):
+    return [torch.empty_like(x),
+            _handle_tensor(0, x, idx, expert_weights[0], shared[0] if shared else None, ffn_from(ffn, ffn_args))]
 
 
-def kept_bytes(x, idx, w1, shared_w1=None) -> int:
+def kept_bytes(x, idx, w1, shared_w1=None, ffn: ExpertFFN = SWIGLU) -> int:
     """Bytes one rank's exchange keeps from its forward for its backward (shapes or tensors:
-    ``x [T, D]``, ``idx [T, k]``, ``w1 [E_local, D, F]``, ``shared_w1 [D, Hs]``), as if its
-    experts received an even share of the assignments (``T * k`` rows, dropless): the experts'
-    inputs and per-assignment outputs ``[T*k, D]`` each, their pre-activations ``[T*k, F]`` two,
-    the routing's three int64 indices per row, and with shared experts their input ``[T, D]``
-    and pre-activations ``[T, Hs]`` two.
+    ``x [T, D]``, ``idx [T, k]``, ``w1 [E_local, D, F]`` the experts' first weight,
+    ``shared_w1 [D, Hs]``), as if its experts received an even share of the assignments
+    (``T * k`` rows, dropless): the experts' inputs and per-assignment outputs ``[T*k, D]`` each,
+    the pre-activations ``ffn`` keeps (SwiGLU: two ``[T*k, F]``), the routing's three int64
+    indices per row, and with shared experts their input ``[T, D]`` and pre-activations
+    ``[T, Hs]`` two.
 
         kept_bytes((512, 256), (512, 2), (4, 256, 256), (256, 256))   # 512 * (2*(2*256 + 2*256) + 3*2 + 768)
     """
     shape = lambda t: tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)  # noqa: E731
-    (T, D), (_, k), F_ = shape(x), shape(idx), shape(w1)[2]
+    (T, D), (_, k) = shape(x), shape(idx)
     size = x.element_size() if isinstance(x, torch.Tensor) else 4
-    kept = T * k * (2 * D + 2 * F_) * size + T * k * 3 * 8
+    kept = T * k * (2 * D + ffn.kept_width(w1)) * size + T * k * 3 * 8
     if shared_w1 is not None:
         kept += T * (D + 2 * shape(shared_w1)[1]) * size
     return kept
 
 
-def _handle_tensor(handle: int, x, idx, w1, s1) -> torch.Tensor:
+def _handle_tensor(handle: int, x, idx, w1, s1, ffn: ExpertFFN) -> torch.Tensor:
     """The forward's second output: its handle, as an int64 tensor of :func:`kept_bytes` (one
     element stored, the rest a stride-0 view of it). The backward takes it, so the program holds
     it from forward to backward, and ``memory_report`` counts those bytes where the exchange
     keeps them in this process."""
-    n = max(1, -(-kept_bytes(x, idx, w1, s1) // 8))
+    n = max(1, -(-kept_bytes(x, idx, w1, s1, ffn) // 8))
     return torch.full((1,), handle, dtype=torch.int64, device=x.device).expand(n)
 
 
 @torch.library.custom_op("shardfn::ep_experts_backward", mutates_args=())
 def _ep_experts_backward(
-    handle: torch.Tensor, grad_y: torch.Tensor, weights: torch.Tensor,
-    w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-    s1: Optional[torch.Tensor], s2: Optional[torch.Tensor], s3: Optional[torch.Tensor], exchange: int,
+    handle: torch.Tensor, grad_y: torch.Tensor, weights: torch.Tensor, expert_weights: List[torch.Tensor],
+    shared: List[torch.Tensor], exchange: int, ffn: str, ffn_args: List[float],
 ) -> List[torch.Tensor]:
-    shared = (s1, s2, s3) if s1 is not None else None
-    return list(ep_backward(int(handle[0]), grad_y, w1, w2, w3, shared, exchange=_exchanges[exchange]))
+    return list(ep_backward(int(handle[0]), grad_y, expert_weights, shared or None, exchange=_exchanges[exchange],
+                            ffn=ffn_from(ffn, ffn_args)))
 
 
 @_ep_experts_backward.register_fake
-def _(handle, grad_y, weights, w1, w2, w3, s1, s2, s3, exchange):
-    like = [grad_y, weights, w1, w2, w3] + ([s1, s2, s3] if s1 is not None else [])
-    return [torch.empty_like(t) for t in like]
+def _(handle, grad_y, weights, expert_weights, shared, exchange, ffn, ffn_args):
+    return [torch.empty_like(t) for t in (grad_y, weights, *expert_weights, *shared)]
 
 
 def register_exchange(exchange: Exchange) -> int:
@@ -391,17 +365,25 @@ def _group(name: str):
 # --- the per-rank region the partitioned MoE layer calls -----------------------------------
 
 
+def _token_spec(data_axes: tuple[str, ...]):
+    from shardfn.partition.spec import P
+
+    return P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
+
+
 class ExpertRegion:
-    """``routed(x, idx, weights, w1, w2, w3[, s1, s2, s3]) -> y`` as an ``sf.local_map`` region.
+    """``routed(x, idx, weights, *expert_weights[, s1, s2, s3], ffn=SWIGLU) -> y`` as an
+    ``sf.local_map`` region.
 
     Tokens (``x [T, D]``, ``idx``/``weights [T, k]``) are split over ``data_axes`` (which include
-    ``ep_axis``); routed-expert weights ``[E, ...]`` over ``ep_axis``. With ``shared``, the shared
-    experts' SwiGLU weights ``s1 [D, Hs], s2 [Hs, D], s3 [D, Hs]`` come last and their output is
-    added, computed while the dispatch exchange is in flight. The exchange runs in the runtime
-    (``ep_forward``/``ep_backward``), once forward and once backward; :attr:`exchange` records it,
-    and :attr:`takes_shared` tells the model layer to hand the shared experts over. ``chunks``:
-    the tokens are exchanged in that many groups, one's exchange behind another's expert compute
-    (``partition.ep_chunks``).
+    ``ep_axis``); routed-expert weights ``[E, ...]`` (``ffn.n_weights`` of them: SwiGLU's
+    ``w1, w2, w3``, gpt-oss's ``w13, b13, w2, b2``; ``core.expert_ffn``) over ``ep_axis``. With
+    ``shared``, the shared experts' SwiGLU weights ``s1 [D, Hs], s2 [Hs, D], s3 [D, Hs]`` come
+    last and their output is added, computed while the dispatch exchange is in flight. The
+    exchange runs in the runtime (``ep_forward``/``ep_backward``), once forward and once
+    backward; :attr:`exchange` records it, and :attr:`takes_shared` tells the model layer to
+    hand the shared experts over. ``chunks``: the tokens are exchanged in that many groups, one's
+    exchange behind another's expert compute (``partition.ep_chunks``).
 
         routed = ExpertRegion(mesh, ("ep",), "ep", 8)
         y = routed(x, idx, weights, w1, w2, w3)
@@ -410,59 +392,75 @@ class ExpertRegion:
     def __init__(self, mesh, data_axes: tuple[str, ...], ep_axis: str, n_experts: int,
                  capacity_factor: float = 0.0, shared: bool = False, chunks: int = 1):
         from shardfn.partition.layouts.axes import check_divides
+
+        check_divides([ep_axis], mesh.axes, "n_experts", n_experts)
+        self._group_name = mesh.device_mesh.get_group(ep_axis).group_name
+        self._tokens, self._ep_axis = _token_spec(data_axes), ep_axis
+        self._n_experts, self._capacity_factor, self._chunks = n_experts, capacity_factor, chunks
+        self.exchange = Exchange()
+        self.takes_shared = shared
+        self._exchange_id = register_exchange(self.exchange)
+        self._regions: dict = {}
+
+    def _region(self, ffn: ExpertFFN, with_shared: bool):
         from shardfn.partition.local_map import local_map
         from shardfn.partition.spec import P
 
-        check_divides([ep_axis], mesh.axes, "n_experts", n_experts)
-        group_name = mesh.device_mesh.get_group(ep_axis).group_name
-        tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
-        self.exchange = Exchange()
-        self.takes_shared = shared
-        exchange = register_exchange(self.exchange)
+        n, exchange, ffn_args = ffn.n_weights, self._exchange_id, ffn.args()
 
-        def forward(x, idx, weights, w1, w2, w3, *s):
-            s1, s2, s3 = s if s else (None, None, None)
+        def forward(x, idx, weights, *ws):
             return tuple(torch.ops.shardfn.ep_experts(
-                x, idx, weights, w1, w2, w3, s1, s2, s3, group_name, n_experts, capacity_factor, exchange,
-                chunks))
+                x, idx, weights, list(ws[:n]), list(ws[n:]), self._group_name, self._n_experts,
+                self._capacity_factor, exchange, self._chunks, ffn.name, ffn_args))
 
         def backward(inputs, outputs, cotangents):
-            x, idx, weights, w1, w2, w3, *s = inputs
-            s1, s2, s3 = s if s else (None, None, None)
-            grads = torch.ops.shardfn.ep_experts_backward(outputs[1], cotangents[0], weights, w1, w2, w3, s1, s2, s3,
-                                                          exchange)
-            dx, dweights, *dw = grads
+            x, idx, weights, *ws = inputs
+            dx, dweights, *dw = torch.ops.shardfn.ep_experts_backward(
+                outputs[1], cotangents[0], weights, list(ws[:n]), list(ws[n:]), exchange, ffn.name, ffn_args)
             return (dx, None, dweights, *dw)
 
-        def region(with_shared: bool):
-            in_specs = (tokens, tokens, tokens, P(ep_axis), P(ep_axis), P(ep_axis)) + ((P(), P(), P()) if with_shared
-                                                                                        else ())
-            return local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward,
-                             records=self.exchange, flops=_region_flops)
+        tokens = self._tokens
+        in_specs = (tokens, tokens, tokens) + (P(self._ep_axis),) * n + ((P(), P(), P()) if with_shared else ())
+        return local_map(forward, in_specs=in_specs, out_specs=(tokens, tokens), bwd=backward,
+                         records=self.exchange, flops=_region_flops(ffn))
 
-        self._regions = {6: region(False)}  # by argument count: a layer without shared experts passes 6
-        if shared:
-            self._regions[9] = region(True)
-
-    def __call__(self, *args):
-        return self._regions[len(args)](*args)[0]
-
-
-def _region_flops(x, idx, weights, w1, w2, w3, *shared) -> float:
-    from shardfn.partition.cost.flops import expert_flops
-
-    return expert_flops(x, idx, w1, shared[0] if shared else None)
+    def __call__(self, x, idx, weights, *ws, ffn: ExpertFFN = SWIGLU):
+        if len(ws) not in (ffn.n_weights, ffn.n_weights + 3) or (len(ws) > ffn.n_weights and not self.takes_shared):
+            raise TypeError(f"the expert-parallel region takes {ffn.n_weights} expert weights for {ffn!r}"
+                            f"{' and optionally 3 shared-expert weights' if self.takes_shared else ''}; got {len(ws)}")
+        key = (ffn, len(ws) > ffn.n_weights)
+        if key not in self._regions:
+            self._regions[key] = self._region(*key)
+        return self._regions[key](x, idx, weights, *ws)[0]
 
 
-def data_parallel_region(data_axes: tuple[str, ...], routed_fn):
-    """``routed_fn`` (the one-device routed-expert computation) on each rank's own tokens, with
-    every expert whole on every rank (gathered for use when stored sharded)."""
+def _region_flops(ffn: ExpertFFN):
+    def flops(x, idx, weights, *ws) -> float:
+        from shardfn.partition.cost.flops import expert_flops
+
+        shared = ws[ffn.n_weights:]
+        return expert_flops(x, idx, ws[0], shared[0] if shared else None, ffn=ffn)
+    return flops
+
+
+def data_parallel_region(data_axes: tuple[str, ...]):
+    """The one-device routed experts (``core.moe.routed_experts``) on each rank's own tokens,
+    with every expert whole on every rank (gathered for use when stored sharded):
+    ``routed(x, idx, weights, *expert_weights, ffn=SWIGLU)``."""
+    from shardfn.core import moe
     from shardfn.partition.local_map import local_map
     from shardfn.partition.spec import P
 
-    tokens = P(tuple(data_axes)) if len(data_axes) > 1 else P(data_axes[0])
-    return local_map(routed_fn, in_specs=(tokens, tokens, tokens, P(), P(), P()), out_specs=tokens,
-                     flops=_region_flops)
+    tokens, regions = _token_spec(data_axes), {}
+
+    def routed(x, idx, weights, *ws, ffn: ExpertFFN = SWIGLU):
+        key = (ffn, len(ws))
+        if key not in regions:
+            fn = functools.partial(moe.routed_experts, ffn=ffn)
+            regions[key] = local_map(fn, in_specs=(tokens, tokens, tokens) + (P(),) * len(ws), out_specs=tokens,
+                                     flops=_region_flops(ffn))
+        return regions[key](x, idx, weights, *ws)
+    return routed
 
 
 # --- the exchanges a lowered program will run, before it runs ------------------------------

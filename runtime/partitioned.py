@@ -227,14 +227,13 @@ def expert_region(model, model_cfg, mesh, specs, *, chunks: int = 1, capacity_fa
     data_axes = tuple(entry_axes(batch[0])) if len(batch) else ()
     if "expert" not in units or not data_axes:
         return None
-    from shardfn.core import moe
     from shardfn.runtime import moe_dispatch
 
     n_experts = units["expert"][1]
     if mesh.axes.get("ep", 1) > 1:
         return moe_dispatch.ExpertRegion(mesh, data_axes, "ep", n_experts, capacity_factor, shared=True,
                                          chunks=chunks)
-    return moe_dispatch.data_parallel_region(data_axes, moe.routed_experts)
+    return moe_dispatch.data_parallel_region(data_axes)
 
 
 def full(tree: Any) -> Any:

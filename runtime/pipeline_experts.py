@@ -164,7 +164,8 @@ def counting_region(layer: int, n_experts: int, recorder: "Recorder", tokens):
 
 
 def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = None, tokens=None) -> Callable:
-    """``routed(x, indices, weights, w1, w2, w3[, s1, s2, s3]) -> y`` for the MoE layers of one traced loss: the
+    """``routed(x, indices, weights, *expert_weights[, s1, s2, s3], ffn=...) -> y`` for the MoE layers of one
+    traced loss (``core.moe.routed_experts``' signature): the
     ``i``-th call counts its tokens as layer ``i`` into ``recorder``, then runs ``experts`` (the
     stage mesh's region, ``runtime.partitioned.expert_region``; None: whole experts here). With
     ``tokens`` (the batch spec of a stage mesh) the count is a per-rank region too.
@@ -176,13 +177,13 @@ def routed_fn(n_experts: int, recorder: Recorder, experts: Callable | None = Non
     layers = itertools.count()
     run = experts or moe.routed_experts
 
-    def routed(x, indices, weights, w1, w2, w3, *shared):
+    def routed(x, indices, weights, *expert_weights, **ffn):
         layer = next(layers)
         if tokens is None:
             weights = count_experts(indices, weights, layer, n_experts, recorder.id)
         else:
             weights = counting_region(layer, n_experts, recorder, tokens)(indices, weights)
-        return run(x, indices, weights, w1, w2, w3, *shared)
+        return run(x, indices, weights, *expert_weights, **ffn)
 
     routed.takes_shared = getattr(experts, "takes_shared", False)  # shared experts behind the dispatch
     return routed

@@ -125,11 +125,35 @@ def test_plan_works_for_every_family(name, over, capsys):
     assert plan["per_rank"]["params_bytes"] > 0   # the traced detail: the family lowered on the mesh
 
 
+def test_gpt_oss_experts_run_behind_the_all_to_all_under_ep(clean_process_group):
+    """gpt-oss's biased, clamped experts go through the expert-parallel exchange (its feed-forward
+    named in the op), and its expert weights are never gathered."""
+    from shardfn.plan.profile import lower_step
+
+    low = lower_step(_config("gpt_oss_tiny", "mesh.ep=2"))
+    nodes = list(low.graph_module.graph.nodes)
+    exchanges = [n for n in nodes if n.target is torch.ops.shardfn.ep_experts.default]
+    assert len(exchanges) == 2   # one per layer
+    assert [(n.args[10], list(n.args[11])) for n in exchanges] == [("clamped_swiglu", [7.0, 1.702])] * 2
+    assert len(exchanges[0].args[3]) == 4   # w13, b13, w2, b2: this rank's 4 experts of 8
+    assert tuple(exchanges[0].args[3][0].meta["val"].shape) == (4, 64, 64)
+    gathered = [n for n in nodes if "all_gather" in str(n.target)]
+    assert not any(tuple(n.meta["val"].shape)[:1] == (8,) for n in gathered), [n.meta["val"].shape for n in gathered]
+
+
 def test_experts_outside_the_exchange_are_named_under_ep():
-    """gpt-oss's loss takes no ``experts=``: ep splits its experts' storage only, and says so;
+    """A model whose loss takes no ``experts=``: ep splits its experts' storage only, and says so;
     a family whose loss takes them runs the all-to-all exchange and says nothing."""
-    with pytest.warns(UserWarning, match=r"mesh\.ep=2: model 'gpt_oss''s loss takes no experts=.*no all-to-all"):
-        check_run(models.get("gpt_oss"), _config("gpt_oss_tiny", "mesh.ep=2"))
+    import types
+
+    from shardfn.models import gpt_oss
+
+    plain = types.ModuleType("plain_oss")
+    plain.__dict__.update({k: v for k, v in vars(gpt_oss).items() if not k.startswith("__")})
+    plain.loss = lambda params, batch, cfg: gpt_oss.loss(params, batch, cfg)
+    with pytest.warns(UserWarning, match=r"mesh\.ep=2: model 'plain_oss''s loss takes no experts=.*no all-to-all"):
+        check_run(models.get(plain), _config("gpt_oss_tiny", "mesh.ep=2"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_run(models.get("qwen3_moe"), _config("qwen3_moe_tiny", "mesh.ep=2"))
+        check_run(models.get("gpt_oss"), _config("gpt_oss_tiny", "mesh.ep=2"))

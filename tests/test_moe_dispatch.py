@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 import shardfn as sf
 from shardfn import P
+from shardfn.core import expert_ffn
+from shardfn.core.expert_ffn import SWIGLU, ClampedSwiGLU, ffn_from
 from shardfn.runtime import moe_dispatch
 from shardfn.runtime.launch import spawn
 
@@ -265,17 +267,46 @@ def test_routed_experts_backward_is_autograds_from_what_the_forward_kept():
     a, b, c = leaves[1:]
     out = grouped_mm(F.silu(grouped_mm(leaves[0], a, offs)) * grouped_mm(leaves[0], c, offs), b, offs)
     want = torch.autograd.grad(out, leaves, d_out)
-    y, h1, h3 = moe_dispatch._expert_ffn(xs, offs, w1, w2, w3)
+    y, kept = SWIGLU.forward(xs, offs, w1, w2, w3)
     assert torch.equal(y, out.detach())
     calls = []
-    real = moe_dispatch.grouped_mm_now
-    moe_dispatch.grouped_mm_now = lambda *args: calls.append(1) or real(*args)
+    real = expert_ffn.grouped_mm_now
+    expert_ffn.grouped_mm_now = lambda *args: calls.append(1) or real(*args)
     try:
-        got = moe_dispatch._expert_ffn_backward(d_out, xs, h1, h3, offs, w1, w2, w3)
+        got = SWIGLU.backward(d_out, xs, kept, offs, w1, w2, w3)
     finally:
-        moe_dispatch.grouped_mm_now = real
+        expert_ffn.grouped_mm_now = real
     assert len(calls) == 6  # two per forward GEMM, as autograd's; the forward's three not again
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_gpt_oss_experts_backward_is_autograds_from_what_the_forward_kept():
+    # gpt-oss's experts (biases, clamped SwiGLU of interleaved gate/up): the eager pair the exchange
+    # runs gives the one-device form's output and autograd's gradients, from the kept h alone
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 9, 10])
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs, d_out = torch.randn(24, D, generator=g), torch.randn(24, D, generator=g)
+    ws = (torch.randn(4, D, 2 * H, generator=g), torch.randn(4, 2 * H, generator=g), torch.randn(4, H, D, generator=g),
+          torch.randn(4, D, generator=g))
+    ffn = ClampedSwiGLU(limit=1.5, alpha=1.702)  # a small limit, so both clamps bite on these values
+    leaves = [t.detach().requires_grad_() for t in (xs, *ws)]
+    out = ffn(*leaves[:1], offs, *leaves[1:])
+    want = torch.autograd.grad(out, leaves, d_out)
+    y, kept = ffn.forward(xs, offs, *ws)
+    assert torch.equal(y, out.detach())
+    calls = []
+    real = expert_ffn.grouped_mm_now
+    expert_ffn.grouped_mm_now = lambda *args: calls.append(1) or real(*args)
+    try:
+        got = ffn.backward(d_out, xs, kept, offs, *ws)
+    finally:
+        expert_ffn.grouped_mm_now = real
+    assert len(calls) == 4  # two per forward GEMM; the forward's two not again
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in (xs, *ws)]
+    assert ffn_from(ffn.name, ffn.args()) == ffn
 
 
 def test_what_the_exchange_keeps_for_its_backward_is_in_memory_report(clean_process_group, monkeypatch):
@@ -291,7 +322,7 @@ def test_what_the_exchange_keeps_for_its_backward_is_in_memory_report(clean_proc
     forward = [n for n in low.graph_module.graph.nodes
                if n.op == "call_function" and n.target is torch.ops.shardfn.ep_experts.default]
     assert len(forward) == 2  # moe_tiny's two MoE layers
-    x, idx, _, w1, _, _, s1 = (a.meta["val"] for a in forward[0].args[:7])
+    x, idx, _, (w1, *_), (s1, *_) = (torch.fx.node.map_arg(a, lambda n: n.meta["val"]) for a in forward[0].args[:5])
     assert tuple(x.shape) == (128, 64) and tuple(w1.shape) == (4, 64, 32) and tuple(s1.shape) == (64, 32)
     kept = moe_dispatch.kept_bytes(x, idx, w1, s1)
     assert kept == 128 * 2 * (2 * 64 + 2 * 32) * 4 + 128 * 2 * 3 * 8 + 128 * (64 + 2 * 32) * 4

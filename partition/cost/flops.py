@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
+from shardfn.core.expert_ffn import SWIGLU, ffn_from
 from shardfn.partition.spmd.fx import moves_no_bytes, node_val
 
 aten = torch.ops.aten
@@ -45,32 +46,34 @@ _EXTRA = {
 }
 
 
-def expert_flops(x, idx, w1, shared_w1=None) -> float:
-    """Forward FLOPs of the routed experts (three GEMMs over ``T * top_k`` rows of ``x [T, D]``
-    routed by ``idx [T, top_k]``, experts ``w1 [E, D, F]``) and, with ``shared_w1 [D, Hs]``, the
-    shared experts' three matmuls over ``T`` rows. Shapes or tensors.
+def expert_flops(x, idx, w1, shared_w1=None, ffn=None) -> float:
+    """Forward FLOPs of the routed experts (``ffn``'s GEMMs, SwiGLU's three by default, over
+    ``T * top_k`` rows of ``x [T, D]`` routed by ``idx [T, top_k]``, experts' first weight
+    ``w1 [E, D, F]``) and, with ``shared_w1 [D, Hs]``, the shared experts' three matmuls over
+    ``T`` rows. Shapes or tensors.
 
     Example:
         expert_flops((64, 32), (64, 2), (8, 32, 16))  # 3 * 2 * 128 * 32 * 16
     """
-    x, idx, w1 = _shape(x), _shape(idx), _shape(w1)
+    x, idx = _shape(x), _shape(idx)
     n = 1
     for d in idx:
         n *= d
     shared = 3 * 2.0 * x[0] * x[1] * _shape(shared_w1)[1] if shared_w1 is not None else 0.0
-    return 3 * 2.0 * n * x[1] * w1[2] + shared
+    return n * (ffn or SWIGLU).flops_per_row(_shape(w1)) + shared
 
 
 def _expert_flops(name: str, args: tuple) -> float | None:
     """``2*T*K*N`` for ``shardfn::grouped_mm``; for ``shardfn::ep_experts`` (the expert-parallel
-    exchange, whose experts run inside it) its three grouped GEMMs over ``T * top_k`` rows, as
+    exchange, whose experts run inside it) its experts' grouped GEMMs over ``T * top_k`` rows, as
     if this rank's experts received an even share of the tokens, plus the shared experts' three
     matmuls over ``T`` rows when it runs them too. None for other ops."""
     if name == "shardfn::grouped_mm":
         x, w = _shape(args[0]), _shape(args[1])
         return 2.0 * x[0] * x[1] * (w[2] if len(w) == 3 else w[1])
     if name == "shardfn::ep_experts":
-        return expert_flops(args[0], args[1], args[3], args[6] if len(args) > 6 else None)
+        x, idx, expert_weights, shared, ffn, ffn_args = args[0], args[1], args[3], args[4], args[10], args[11]
+        return expert_flops(x, idx, expert_weights[0], shared[0] if shared else None, ffn=ffn_from(ffn, ffn_args))
     return None
 
 
