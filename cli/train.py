@@ -2,6 +2,7 @@
 
     shardfn train                                         # llama_tiny on the embedded corpus
     shardfn train --nproc 4 mesh.dp=2 mesh.tp=2 --metrics m.jsonl
+    shardfn train --config moe_tiny --nproc 4 --search    # the layout `shardfn plan --search` ranks first
 
 What the config asks for is checked here, once, before any rank is spawned: the layout, the data
 file, the ``train.init_from`` directory, and the checkpoint a run would resume (its model must
@@ -37,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=None, metavar="N",
                         help="spawn N local gloo ranks (default: runtime.nproc, else the mesh size, the product "
                              "of the mesh axes); under torchrun the launcher's ranks are used")
+    parser.add_argument("--search", action="store_true",
+                        help="lay the run out on --nproc devices as `shardfn plan --search` ranks first (its "
+                             "estimate on --hardware: mesh, pipeline schedule and microbatches, remat), then "
+                             "train that layout")
+    parser.add_argument("--hardware", default=None, metavar="NAME",
+                        help="--search: the hardware profile the estimate prices (default: cpu when "
+                             "runtime.device is cpu; a profile name or YAML path)")
 
 
 def _train_rank(cfg_dict: dict, metrics: str | None, trace: str | None = None) -> None:
@@ -89,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume:
         args.overrides = [*args.overrides, "train.checkpoint.resume=true"]
+    if args.search:
+        args.overrides = [*args.overrides, *searched_layout(config_from_args(args), args.nproc, args.hardware)]
     cfg = with_run_directory(config_from_args(args))  # train.checkpoint.dir null: this run's own
     check_before_launch(cfg)
     if args.trace and cfg.mesh.pp == 1:
@@ -130,6 +140,46 @@ def run(args: argparse.Namespace) -> int:
         print(interrupted_message(cfg, getattr(args, "command", None)), file=sys.stderr)
         return INTERRUPTED
     return 0
+
+
+def searched_layout(cfg, devices: int | None, hardware: str | None) -> list[str]:
+    """The overrides of the layout ``shardfn plan --search`` ranks first for ``cfg`` on
+    ``devices`` (``--nproc``, else ``runtime.nproc``), priced on ``hardware`` (default ``cpu``
+    for a CPU run); prints the choice and the runner-up. Raises :class:`UsageError` for a mesh
+    given beside ``--search``, no device count, or no layout that fits.
+
+    Example:
+        searched_layout(load_config("moe_tiny"), 4, None)   # ['mesh.pp=1', 'mesh.dp=1', 'mesh.fsdp=4', ...]
+    """
+    import torch
+
+    from shardfn import plan as planner
+
+    devices = devices or cfg.runtime.nproc
+    if not devices:
+        raise UsageError("--search needs --nproc N (or runtime.nproc), the number of devices to lay the run out on")
+    given = ", ".join(f"mesh.{a}={n}" for a, n in cfg.mesh.axes().items() if n != 1)
+    if given:
+        raise UsageError(f"--search chooses the mesh, but the config sets {given}; drop those, or drop --search")
+    if hardware is None:
+        if not cfg.runtime.device.startswith("cpu"):
+            raise UsageError(f"--search on runtime.device={cfg.runtime.device} needs --hardware NAME, the profile "
+                             f"its estimate prices (e.g. h100)")
+        hardware = "cpu"
+    dtype = torch.bfloat16 if cfg.train.precision == "bf16" else torch.float32
+    try:
+        result = planner.search(cfg, devices, hardware=hardware, dtype=dtype, top=2)
+    except (planner.PlanError, ValueError, FileNotFoundError) as e:
+        raise UsageError(f"--search: {e}") from None
+    if not result.plans:
+        raise UsageError(f"--search: no layout of {_devices(devices)} fits ({len(result.too_big)} too big, "
+                         f"{len(result.refused)} refused); see shardfn plan --search --gpus {devices}")
+    best = result.ranked[0]
+    after = (f"; next {result.ranked[1][1].describe()} at {result.ranked[1][0]:.4g} s"
+             if len(result.ranked) > 1 else "")
+    print(f"shardfn train --search: {best[1].describe()}, fastest of {result.fitting} layouts that fit on "
+          f"{_devices(devices)} by the estimate on {hardware} ({best[0]:.4g} s a step{after})", flush=True)
+    return best[1].overrides(cfg.train.remat)
 
 
 def _devices(n: int) -> str:

@@ -129,6 +129,20 @@ class Layout:
                                  f"({', '.join(SCHEDULES)}) or ckpt")
         return cls(**fields)
 
+    def overrides(self, remat: str = "none") -> list[str]:
+        """The run-config overrides that ask for this layout (what ``shardfn train --search``
+        runs): every mesh axis, the pipeline's microbatches, schedule and stages, and
+        ``train.remat`` (``remat`` when checkpointing, else ``none``; ``full`` for ``none``).
+
+        Example:
+            Layout(fsdp=2, ep=2).overrides()[:3]   # ['mesh.pp=1', 'mesh.dp=1', 'mesh.fsdp=2']
+        """
+        stages = self.n_stages if self.pp > 1 and self.stages_per_rank > 1 else "null"
+        kept = (remat if remat != "none" else "full") if self.checkpointing else "none"
+        return [*(f"mesh.{a}={getattr(self, a)}" for a in ("pp", "dp", "fsdp", "ep", "tp", "cp")),
+                f"pipeline.microbatches={self.microbatches}", f"pipeline.schedule={self.schedule}",
+                f"pipeline.stages={stages}", f"train.remat={kept}"]
+
     def to_dict(self) -> dict:
         return {**self.axes(), "microbatches": self.microbatches, "schedule": self.schedule,
                 "stages_per_rank": self.stages_per_rank, "checkpointing": self.checkpointing,

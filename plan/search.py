@@ -115,6 +115,8 @@ def _mesh_candidates(cfg, gpus: int, max_tp: int, model=None) -> list[dict]:
 
 
 def _microbatch_options(cfg, axes: dict) -> list[int]:
+    if axes["pp"] == 1:
+        return [1]          # the runtime splits a step into microbatches under pp only
     data = axes["dp"] * axes["fsdp"] * axes["ep"]
     if cfg.train.batch_size % data:
         return [1]          # refused by the batch check, with its message
@@ -163,10 +165,11 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
 
     Every ``(pp, dp, fsdp, ep, tp)`` whose product is ``gpus`` (``tp`` up to ``max_tp``, default
     the hardware's ``gpus_per_node``; ``cp`` too for long sequences) is combined with microbatch
-    counts (``microbatches``, or ``pp x 1, 2, 4, 8``, and one row per microbatch when that is
-    within that range), ``schedules`` (``1f1b`` alone when ``pp == 1``) and ``checkpointing``.
-    Invalid layouts are refused with the key to change. Every valid one is estimated
-    (``Resolved.estimate``: the answer ``shardfn plan`` prints for it); those whose device bytes
+    counts under pp (``microbatches``, or ``pp x 1, 2, 4, 8``, and one row per microbatch when
+    that is within that range; without pp, one: the runtime splits a step only between
+    stages), ``schedules`` (``1f1b`` alone when ``pp == 1``) and ``checkpointing``. Invalid
+    layouts are refused with the key to change. Every valid one is estimated (``Resolved.
+    estimate``: the answer ``shardfn plan`` prints for it); those whose device bytes
     exceed ``partition.memory_budget`` or the device are dropped, the rest ranked by step time
     (ties by name). The pipeline schedules are simulated in order of a step-time bound without
     the bubble, until no unsimulated layout can be faster than the ``top`` ones (or than
@@ -194,7 +197,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
         except PlanError as e:
             refused.append({"layout": mesh_layout.describe(), "key": e.key, "reason": str(e)})
             continue
-        for m in (microbatches or _microbatch_options(cfg, axes)):
+        for m in (microbatches if microbatches and axes["pp"] > 1 else _microbatch_options(cfg, axes)):
             for sched in (schedules if axes["pp"] > 1 else ("1f1b",)):
                 for ckpt in checkpointing:
                     layout = Layout(**axes, microbatches=m, schedule=sched, checkpointing=ckpt)

@@ -284,6 +284,41 @@ def test_search_lowers_only_the_layouts_it_is_asked_to(clean_process_group):
     assert [p.trace["mode"] for p in found.plans[1:]] == ["none", "none"]
 
 
+def test_search_splits_a_step_into_microbatches_only_under_pp():
+    cfg = load_config("llama_tiny", ["model.n_layers=4", "train.batch_size=16", "train.seq_len=64"])
+    found = pl.search(cfg, 4, hardware="h100", schedules=("1f1b",), microbatches=[2, 4], top=0)
+    by_pp = {pp: {lay.microbatches for _, lay in found.ranked if lay.pp == pp} for pp in (1, 2)}
+    assert by_pp == {1: {1}, 2: {2, 4}}   # pp=1 mb=2 would be a plan the runtime does not run
+
+
+@pytest.mark.parametrize("text", ["pp=2 ep=2 mb=4 interleaved_1f1bx2 ckpt", "fsdp=4 mb=1 1f1b", "dp=2 tp=2 mb=1 1f1b"])
+def test_a_layout_is_what_its_overrides_ask_for(text):
+    layout = Layout.parse(text)
+    cfg = load_config("moe_tiny", layout.overrides("selective"))
+    assert Layout.from_config(cfg, checkpointing=cfg.train.remat != "none") == layout
+    assert cfg.train.remat == ("selective" if layout.checkpointing else "none")
+
+
+def test_train_search_runs_the_first_layout_and_refuses_what_it_cannot_choose(capsys):
+    from shardfn.cli.common import UsageError
+    from shardfn.cli.train import searched_layout
+    from shardfn.partition.layouts.axes import check_run
+
+    cfg = load_config("moe_tiny")
+    over = searched_layout(cfg, 4, None)
+    first = pl.search(cfg, 4, hardware="cpu", top=1).ranked[0][1]
+    chosen = load_config("moe_tiny", over)
+    assert Layout.from_config(chosen, checkpointing=chosen.train.remat != "none") == first
+    check_run(pl.resolve(chosen).model, chosen)   # a layout the runtime takes
+    assert f"shardfn train --search: {first.describe()}, fastest of" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=r"--search chooses the mesh, but the config sets mesh\.dp=2; drop those"):
+        searched_layout(load_config("moe_tiny", ["mesh.dp=2"]), 4, None)
+    with pytest.raises(UsageError, match=r"--search needs --nproc N"):
+        searched_layout(cfg, None, None)
+    with pytest.raises(UsageError, match=r"runtime\.device=cuda needs --hardware NAME"):
+        searched_layout(load_config("moe_tiny", ["runtime.device=cuda"]), 4, None)
+
+
 @pytest.mark.parametrize("text", ["pp=8 dp=1 fsdp=2 ep=32 tp=1 mb=8 interleaved_1f1bx2 ckpt",
                                   "pp=1 dp=1 fsdp=8 ep=1 tp=1 mb=1 1f1b", "pp=16 dp=2 ep=64 mb=120 dualpipev ckpt"])
 def test_layout_parses_what_it_prints(text):
