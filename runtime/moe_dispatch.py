@@ -494,8 +494,7 @@ def planned_rows(gm: torch.fx.GraphModule, mesh) -> list[dict]:
         if node.op != "call_function" or node.target is not torch.ops.shardfn.ep_experts.default:
             continue
         x, idx = (a.meta["val"] for a in node.args[:2])
-        group_name, n_experts = node.args[9], node.args[10]
-        chunks = node.args[13] if len(node.args) > 13 else node.kwargs.get("chunks", 1)
+        group_name, n_experts, chunks = node.args[5], node.args[6], node.args[9]
         axis = mesh.axis_of_group(group_name)
         n = mesh.axes[axis]
         (T, D), k = x.shape, idx.shape[1]
