@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -222,18 +223,21 @@ def _pipeline(overrides, pairs, warmup) -> list[dict]:
     batch = data.get_batch(data.from_config(cfg.data), 0, batch_size=cfg.train.batch_size,
                            seq_len=cfg.train.seq_len, seed=0)
 
-    def timed(variant):
-        step.receive_at, step.overlap_pairs = variant
+    def variant(receive_at: str, overlap_pairs: bool):  # the same programs, run another way
+        return dataclasses.replace(step, run=dataclasses.replace(step.run, receive_at=receive_at,
+                                                                 overlap_pairs=overlap_pairs))
+
+    def timed(vstep):
         dist.barrier()
         t = time.perf_counter()
-        step(local, state, batch)  # the same state every call: each call is the same step
+        vstep(local, state, batch)  # the same state every call: each call is the same step
         seconds = time.perf_counter() - t
-        p2p = sum(e["end_ns"] - e["start_ns"] for e in step.last_run.events if e["kind"] == "P2P") / 1e9
+        p2p = sum(e["end_ns"] - e["start_ns"] for e in vstep.last_run.events if e["kind"] == "P2P") / 1e9
         return seconds, p2p
 
-    names = {"before": ("post", False), "after": ("use", False)}
+    names = {"before": variant("post", False), "after": variant("use", False)}
     if step.records:  # an MoE exchange in the stages: the overlapped pairs can take turns at its waits
-        names["after_paired"] = ("use", True)
+        names["after_paired"] = variant("use", True)
     for _ in range(warmup):
         for v in names.values():
             timed(v)

@@ -54,7 +54,7 @@ def _rank(args: dict) -> dict:
     from shardfn.partition.pipeline.schedules import get_schedule
     from shardfn.partition.pipeline.split import build_pipeline
     from shardfn.runtime import executor
-    from shardfn.runtime.pipeline_step import make_pipeline_step
+    from shardfn.runtime.pipeline_step import RunOptions, make_pipeline_step
 
     pp, m = args["ranks"], args["microbatches"]
     mesh = sf.Mesh({"pp": pp})
@@ -71,7 +71,8 @@ def _rank(args: dict) -> dict:
         pipe = build_pipeline(loss, params, {k: v[: args["rows"]] for k, v in batch.items()}, sched.n_stages,
                               split=())
         step = make_pipeline_step(pipe, sched, mesh, lambda norm: optim.chain(optim.clip_by_global_norm(1.0, norm=norm),
-                                                                             optim.adamw(1e-3)), record=True)
+                                                                             optim.adamw(1e-3)),
+                                  run=RunOptions(record=True))
         local = step.scatter(params)
         state = step.optimizer.init(local)
         runs = []

@@ -61,21 +61,106 @@ OptimizerFactory = Callable[[Callable[[PyTree], torch.Tensor]], optim.GradientTr
 """``norm -> optimizer``: the pipeline step hands in the norm over all stages for clipping."""
 
 
+@dataclass(frozen=True)
+class StageBuild:
+    """How each stage's F / I / W programs are built (``stage_programs.lower_stage``): under
+    ``torch.compile`` (``train.compile``), with a ``partition.remat`` policy for every stage's
+    joint (``train.remat``), Megatron sequence parallelism over the stage mesh's
+    ``sequence_parallel`` axes (``("tp",)`` under ``partition.sequence_parallel``), fsdp-sharded
+    parameters re-gathered in every microbatch's F and I instead of once per step
+    (``partition.reshard_after_forward``), on ``device`` (None: the traced loss's). ``all_stages``
+    builds every stage's programs, not only this rank's (one rank's view of all ranks, for plans).
+
+        StageBuild(compile=cfg.train.compile, remat=cfg.train.remat)
+        StageBuild(reshard_after_forward=True, sequence_parallel=("tp",), all_stages=True)
+    """
+
+    compile: bool = False
+    remat: str = "none"
+    sequence_parallel: tuple[str, ...] = ()
+    reshard_after_forward: bool = False
+    all_stages: bool = False
+    device: torch.device | None = None
+
+
+@dataclass(frozen=True)
+class MoEUpdate:
+    """An MoE model's non-gradient update (its routers' selection bias): the model's loss counts
+    tokens per expert into ``recorder`` (a ``pipeline_experts.Recorder``, reset every call); the
+    step runs ``model.aux_update(stage_params, aux, model_cfg)`` on each stage from the counts of
+    the layers it runs (``experts``: the model's ``pipeline_experts.ExpertLayout``) and reports
+    ``model.aux_metrics``. ``model_cfg`` is the run's ``model`` section.
+
+        experts = pipeline_experts.expert_layout(moe, cfg.model)
+        MoEUpdate(moe, cfg.model, experts, pipeline_experts.Recorder())
+    """
+
+    model: Any
+    model_cfg: Any
+    experts: Any
+    recorder: Any
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How each call runs the schedule and the update: ``record`` times every action
+    (``step.last_run.events``, :meth:`PipelineStep.write_trace`) and tracks held bytes;
+    ``receive_at`` is ``run_schedule``'s (``"use"``: wait on a receive where its tensor is read,
+    ``"post"``: where it is posted); ``overlap_pairs`` (``pipeline.overlap_pairs``): where the
+    stages run an MoE exchange, each overlapped pair's two members take turns at its all-to-all
+    waits; ``skip_nonfinite`` (``train.nonfinite=skip``): a step whose loss or gradient norm is
+    NaN/Inf keeps the incoming state.
+
+        RunOptions(record=True)
+        RunOptions(overlap_pairs=cfg.pipeline.overlap_pairs, skip_nonfinite=cfg.train.nonfinite == "skip")
+    """
+
+    record: bool = False
+    receive_at: str = "use"
+    overlap_pairs: bool = False
+    skip_nonfinite: bool = False
+
+
 @dataclass
+class LatestCall:
+    """What the latest call of a :class:`PipelineStep` left: its schedule ``run``, the reduced
+    ``grads`` (before clipping) and ``eager``, the ``(op, axis, bytes)`` of the step's own
+    collectives. The step's one mutable part; each call overwrites it.
+
+        step.latest.run.events      # with RunOptions(record=True)
+        step.latest.eager           # [("all_reduce", "pp", 4), ...]
+    """
+
+    run: RunResult | None = None
+    grads: dict | None = None
+    eager: list = field(default_factory=list)
+
+
+@dataclass(frozen=True, eq=False)
 class PipelineStep:
     """The training step of one pipeline rank; call it like a one-device step.
 
     ``params_local`` is ``{"stage<s>": subtree}`` for this rank's stages (``runtime.rank_layout``):
     build it with :meth:`scatter` (or ``layout.from_source``), rebuild the full tree with
-    :meth:`gather`.
+    :meth:`gather`. Everything it runs with is given at construction (:func:`make_pipeline_step`
+    builds it) and frozen; only :attr:`latest` (``last_run``, ``last_grads``, ``eager``) changes,
+    with every call. ``dataclasses.replace(step, run=...)`` runs the same programs another way,
+    with its own :attr:`optimizer` and :attr:`latest`.
 
     Attributes:
         layout: what this rank holds (:class:`~shardfn.runtime.rank_layout.RankLayout`).
         pipe: the pipeline with this rank's programs in its own stages (what the executor runs).
         schedule: the schedule, with communication.
+        optimizer_factory: ``norm -> GradientTransformation``; the step builds :attr:`optimizer`
+            from it with :meth:`grad_norm`.
         mesh: the stage's mesh (the non-pp axes; None: one device per stage).
+        batch_axes, seq_axes: the stage mesh's axes that split the batch and the sequence
+            (context parallelism: ``mesh.cp``).
+        placements: ``path -> stored placements`` of every parameter on the stage mesh.
+        moe: an MoE model's non-gradient update (:class:`MoEUpdate`; None: none).
+        run: how each call runs (:class:`RunOptions`).
         optimizer: the run's optimizer, clipping by :meth:`grad_norm`.
-        last_run, last_grads: the latest step's schedule run and reduced gradients (before clipping).
+        latest: the latest call's schedule run, reduced gradients and collectives (:class:`LatestCall`).
 
     Example:
         step = make_pipeline_step(pipe, schedule, mesh, lambda norm: make_optimizer(cfg.train, model, norm=norm))
@@ -86,23 +171,18 @@ class PipelineStep:
     layout: RankLayout
     pipe: Pipeline
     schedule: Schedule
+    optimizer_factory: OptimizerFactory
     mesh: Any = None
-    optimizer: optim.GradientTransformation | None = None
-    record: bool = False
-    model: Any = None                   # the model module: its aux_update / aux_metrics (None: no aux)
-    model_cfg: Any = None
-    experts: Any = None                 # pipeline_experts.ExpertLayout of an MoE model
-    recorder: Any = None                # pipeline_experts.Recorder the MoE layers count into
-    skip_nonfinite: bool = False        # train.nonfinite=skip: a NaN/Inf step leaves the state as it was
-    batch_axes: tuple[str, ...] = ()    # the stage mesh's axes that split the batch
-    seq_axes: tuple[str, ...] = ()      # ... and the sequence (context parallelism: mesh.cp)
-    placements: dict = field(default_factory=dict)  # path -> stored placements on the stage mesh
-    last_run: RunResult | None = None
-    last_grads: dict | None = None
-    eager: list = field(default_factory=list)  # (op, axis, bytes) of the step's own collectives, last call
-    receive_at: str = "use"             # run_schedule's: wait on a receive where it is read ("post": where posted)
-    overlap_pairs: bool = False         # run_schedule's, where the programs run an MoE exchange: overlapped
-    #                                     pairs take turns at its waits (pipeline.overlap_pairs)
+    batch_axes: tuple[str, ...] = ()
+    seq_axes: tuple[str, ...] = ()
+    placements: dict = field(default_factory=dict)
+    moe: MoEUpdate | None = None
+    run: RunOptions = RunOptions()
+    optimizer: optim.GradientTransformation = field(init=False, repr=False)
+    latest: LatestCall = field(init=False, repr=False, default_factory=LatestCall)
+
+    def __post_init__(self):
+        object.__setattr__(self, "optimizer", self.optimizer_factory(self.grad_norm))
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -116,6 +196,21 @@ class PipelineStep:
     @property
     def pp_rank(self) -> int:
         return self.layout.pp_rank
+
+    @property
+    def last_run(self) -> RunResult | None:
+        """The latest call's schedule run (``events`` and ``peak_saved_bytes`` with ``run.record``)."""
+        return self.latest.run
+
+    @property
+    def last_grads(self) -> dict | None:
+        """The latest call's reduced gradients (before clipping), as ``params_local``."""
+        return self.latest.grads
+
+    @property
+    def eager(self) -> list:
+        """``(op, axis, bytes)`` of the step's own collectives in the latest call."""
+        return self.latest.eager
 
     def scatter(self, params: PyTree) -> dict:
         """This rank's local tree from the full parameter tree."""
@@ -135,21 +230,21 @@ class PipelineStep:
 
     # -- the step ------------------------------------------------------------------------
     def __call__(self, params_local: dict, opt_state: Any, global_batch: dict) -> tuple[dict, Any, dict]:
-        self.eager = []
-        if self.recorder is not None:
-            self.recorder.reset()  # this step's tokens per expert
+        self.latest.eager = []
+        if self.moe is not None:
+            self.moe.recorder.reset()  # this step's tokens per expert
         for records in self.records:
             records.reset()  # this step's all-to-alls
         held = self.layout.held(params_local)
         use = {s: self.programs[s].gather_params(held[s]) for s in self.stages}
         out = run_schedule(self.pipe, self.schedule, self.pp_rank, use, self.microbatches(global_batch),
-                           group=self.layout.pp_group, record=self.record, receive_at=self.receive_at,
-                           overlap_pairs=self.overlap_pairs and bool(self.records))
-        self.last_run = out
+                           group=self.layout.pp_group, record=self.run.record, receive_at=self.run.receive_at,
+                           overlap_pairs=self.run.overlap_pairs and bool(self.records))
+        self.latest.run = out
         grads = {s: self.programs[s].reduce_grads(out.grads[s]) for s in self.stages}
         grads = self._sum_tied(grads)
         grads = {stage_key(s): nest(grads[s]) for s in self.stages}
-        self.last_grads = grads
+        self.latest.grads = grads
         updates, new_state = self.optimizer.update(grads, opt_state, params_local)
         new_params = optim.apply_updates(params_local, updates)
         loss = out.loss.detach().clone() if out.loss is not None else torch.zeros((), device=self._device(held))
@@ -160,10 +255,10 @@ class PipelineStep:
                 part = out.aux.get(key)
                 part = part.detach().clone() if part is not None else torch.zeros((), device=self._device(held))
                 metrics[key] = self._all_reduce(part.to(torch.float32), "pp")
-        if self.model is not None and self.recorder is not None:
-            new_params, aux = self._aux_update(new_params, self.recorder.counts, held)
-            metrics.update(self.model.aux_metrics(aux))
-        if self.skip_nonfinite:  # loss and grad_norm are global: every rank skips alike
+        if self.moe is not None:
+            new_params, aux = self._aux_update(new_params, self.moe.recorder.counts, held)
+            metrics.update(self.moe.model.aux_metrics(aux))
+        if self.run.skip_nonfinite:  # loss and grad_norm are global: every rank skips alike
             new_params, new_state = keep_finite((new_params, new_state), (params_local, opt_state), metrics)
         return new_params, new_state, metrics
 
@@ -219,7 +314,7 @@ class PipelineStep:
         if axis == "pp" and self.layout.n_ranks == 1:
             return x
         dist.all_reduce(x, group=self._group(axis))
-        self.eager.append(("all_reduce", axis, x.numel() * x.element_size()))
+        self.latest.eager.append(("all_reduce", axis, x.numel() * x.element_size()))
         return x
 
     def _sum_tied(self, grads: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
@@ -255,7 +350,7 @@ class PipelineStep:
         and the whole model's ``aux`` for the metrics (every stage's counts, summed over ``pp``)."""
         from shardfn.runtime.pipeline_experts import counted_layers
 
-        lay = self.experts
+        lay = self.moe.experts
         total = torch.zeros((lay.n_layers, lay.n_experts), dtype=torch.int64, device=self._device(held))
         for layer, c in counts.items():
             total[layer] += c.to(total.device)
@@ -265,8 +360,8 @@ class PipelineStep:
         for s in self.stages:
             mine = counted_layers(self.pipe.stages[s], lay)
             if mine:
-                out[stage_key(s)] = self.model.aux_update(out[stage_key(s)], {"expert_counts": total[mine]},
-                                                          self.model_cfg)
+                out[stage_key(s)] = self.moe.model.aux_update(out[stage_key(s)], {"expert_counts": total[mine]},
+                                                              self.moe.model_cfg)
         total = self._all_reduce(total, "pp")  # each layer's counts live on one pp rank
         return out, {"expert_counts": total}
 
@@ -341,8 +436,8 @@ class PipelineStep:
         out += [("all_reduce", a, 4) for a in self._mesh_axes()] + ([("all_reduce", "pp", 4)] if pp else [])
         if pp:  # the aux values' parts
             out += [("all_reduce", "pp", 4) for key in self.pipe.aux_keys if key not in _STEP_METRICS]
-        if self.model is not None and self.recorder is not None:
-            n = self.experts.n_layers * self.experts.n_experts * 8
+        if self.moe is not None:
+            n = self.moe.experts.n_layers * self.moe.experts.n_experts * 8
             out += [("all_reduce", a, n) for a in self.batch_axes] + ([("all_reduce", "pp", n)] if pp else [])
         return out
 
@@ -369,7 +464,7 @@ class PipelineStep:
                 if p in prog.gathered:
                     gathered += _numel(prog.local_shape(p, "use")) * size
         out.update(grads=grads, gathered=gathered)
-        if r == self.pp_rank and self.last_run is not None and self.record:
+        if r == self.pp_rank and self.last_run is not None and self.run.record:
             out["activations"] = self.last_run.peak_saved_bytes
         return out
 
@@ -384,7 +479,7 @@ class PipelineStep:
     def write_trace(self, path: str | os.PathLike) -> Path | None:
         """Write the latest step's action timings of every rank as one Chrome trace (on global rank 0).
 
-        Needs ``record=True``. Every rank must call it (the events are gathered).
+        Needs ``RunOptions(record=True)``. Every rank must call it (the events are gathered).
         """
         events = self.last_run.events if self.last_run is not None else []
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -416,11 +511,8 @@ def _tree_bytes(tree) -> int:
 
 def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer: OptimizerFactory | None = None, *,
                        specs: dict | None = None, batch_axes: tuple[str, ...] | None = None,
-                       reshard_after_forward: bool = False, compile: bool = False, record: bool = False,
-                       model=None, model_cfg=None, experts=None, recorder=None, skip_nonfinite: bool = False,
-                       all_stages: bool = False, device=None, remat: str = "none",
-                       sequence_parallel: tuple[str, ...] = (), seq_axes: tuple[str, ...] = (),
-                       overlap_pairs: bool = False) -> PipelineStep:
+                       seq_axes: tuple[str, ...] = (), build: StageBuild = StageBuild(),
+                       moe: MoEUpdate | None = None, run: RunOptions = RunOptions()) -> PipelineStep:
     """The training step of this rank for ``pipe`` run by ``schedule`` on ``mesh``.
 
     Args:
@@ -433,27 +525,17 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
         optimizer: ``norm -> GradientTransformation``; the step passes the norm over all its
             stages (:meth:`PipelineStep.grad_norm`), for ``optim.clip_by_global_norm(c, norm=norm)``.
         specs: ``path -> P`` of every parameter on the stage mesh (None: replicated).
-        batch_axes: the stage mesh's axes that split the batch (None: all of its axes).
-        reshard_after_forward: re-gather fsdp-sharded parameters in every microbatch's F and I
-            (less memory) instead of once per step.
-        compile: ``torch.compile`` every F / I / W program.
-        record: time every action (``step.last_run.events``) and track held bytes.
-        model, model_cfg: the model module and config whose ``aux_update`` and ``aux_metrics`` the
-            step runs (MoE router balancing), with ``experts`` (its ``pipeline_experts.ExpertLayout``)
-            and ``recorder`` (what its loss counts tokens per expert into), or None.
-        skip_nonfinite: a step whose loss or gradient norm is NaN/Inf keeps the incoming state.
-        all_stages: build every stage's programs (planning one rank's view of all ranks).
-        remat: a ``partition.remat`` policy for every stage's joint (``train.remat``).
-        sequence_parallel: the stage mesh's axes for Megatron sequence parallelism (``("tp",)``
-            under ``partition.sequence_parallel``).
+        batch_axes: the stage mesh's axes that split the batch (None: all of its axes but ``seq_axes``).
         seq_axes: the stage mesh's axes that split the sequence (``("cp",)``: context
             parallelism; the step load-balances each batch and the model reads ``positions``).
-        overlap_pairs: where the stages run an MoE exchange, each overlapped pair's two members
-            take turns at its all-to-all waits (``pipeline.overlap_pairs``, ``run_schedule``).
+        build: how the stages' programs are built (:class:`StageBuild`).
+        moe: an MoE model's non-gradient update (:class:`MoEUpdate`; None: none).
+        run: how each call runs (:class:`RunOptions`).
 
     Example:
         step = make_pipeline_step(pipe, get_schedule("zbh1", 2, 4), sf.Mesh({"pp": 2, "fsdp": 2}),
-                                  lambda norm: optim.chain(optim.clip_by_global_norm(1.0, norm=norm), adamw(1e-3)))
+                                  lambda norm: optim.chain(optim.clip_by_global_norm(1.0, norm=norm), adamw(1e-3)),
+                                  build=StageBuild(compile=True), run=RunOptions(record=True))
     """
     if optimizer is None:
         raise ValueError("make_pipeline_step needs an optimizer: a function norm -> GradientTransformation, e.g. "
@@ -481,13 +563,15 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
     batch = batch_and_seq_spec(batch_axes, seq_axes)
     specs = dict(specs or {})
     all_specs = {p: specs.get(p, P()) for p in pipe.param_specs}
+    device = build.device
     if device is None:
         device = next((n.meta["val"].device for n in pipe.graph_module.graph.nodes if n.op == "placeholder"),
                       torch.device("cpu")) if pipe.graph_module is not None else torch.device("cpu")
-    built = range(pipe.n_stages) if all_stages else schedule.stages_of(pp_rank)
-    programs = {s: lower_stage(pipe.stages[s], stage_mesh, all_specs, batch, gather_once=not reshard_after_forward,
-                               device=device, remat=remat, sequence_parallel=sequence_parallel) for s in built}
-    if compile:
+    built = range(pipe.n_stages) if build.all_stages else schedule.stages_of(pp_rank)
+    programs = {s: lower_stage(pipe.stages[s], stage_mesh, all_specs, batch,
+                               gather_once=not build.reshard_after_forward, device=device, remat=build.remat,
+                               sequence_parallel=build.sequence_parallel) for s in built}
+    if build.compile:
         for s in schedule.stages_of(pp_rank):
             for part in (programs[s].stage.F, programs[s].stage.I, programs[s].stage.W):
                 part.compile()
@@ -498,11 +582,7 @@ def make_pipeline_step(pipe: Pipeline, schedule: Schedule, mesh=None, optimizer:
     placements = {}
     if stage_mesh is not None:
         placements = {p: stage_mesh.placements(all_specs[p], len(spec.shape)) for p, spec in pipe.param_specs.items()}
-    step = PipelineStep(layout, run_pipe, schedule, stage_mesh, None, record, model, model_cfg, experts, recorder,
-                        skip_nonfinite, batch_axes, seq_axes, placements)
-    step.optimizer = optimizer(step.grad_norm)
-    step.overlap_pairs = overlap_pairs
-    return step
+    return PipelineStep(layout, run_pipe, schedule, optimizer, stage_mesh, batch_axes, seq_axes, placements, moe, run)
 
 
 def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool = False,
@@ -565,13 +645,13 @@ def build_pipeline_step(cfg, model, params: PyTree, *, mesh=None, record: bool =
         if seq:  # context parallelism: the model reads each token's position (load-balanced order)
             example["positions"] = torch.arange(cfg.train.seq_len, device=device).expand(rows, -1)
         pipe = build_pipeline(loss_fn, params, example, sched.n_stages, split=())
+    build = StageBuild(compile=cfg.train.compile, remat=cfg.train.remat,
+                       sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in stage_mesh.axes else (),
+                       reshard_after_forward=reshard_after_forward(cfg), all_stages=all_stages, device=device)
+    run = RunOptions(record=record, overlap_pairs=p.overlap_pairs, skip_nonfinite=cfg.train.nonfinite == "skip")
+    moe = MoEUpdate(model, cfg.model, experts, recorder) if experts is not None else None
     return make_pipeline_step(pipe, sched, mesh, lambda norm: make_optimizer(cfg.train, model, norm=norm),
-                              specs=specs, batch_axes=data, reshard_after_forward=reshard_after_forward(cfg),
-                              compile=cfg.train.compile, record=record, model=model, model_cfg=cfg.model,
-                              experts=experts, recorder=recorder, skip_nonfinite=cfg.train.nonfinite == "skip",
-                              all_stages=all_stages, device=device, remat=cfg.train.remat,
-                              sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in stage_mesh.axes
-                              else (), seq_axes=seq, overlap_pairs=p.overlap_pairs)
+                              specs=specs, batch_axes=data, seq_axes=seq, build=build, moe=moe, run=run)
 
 
 def batch_and_seq_spec(batch_axes: tuple[str, ...], seq_axes: tuple[str, ...]) -> P:

@@ -21,7 +21,7 @@ from shardfn.partition.pipeline.schedules import get_schedule
 from shardfn.partition.pipeline.split import build_pipeline, stage_params
 from shardfn.runtime import executor
 from shardfn.runtime.launch import spawn
-from shardfn.runtime.pipeline_step import build_pipeline_step, make_pipeline_step
+from shardfn.runtime.pipeline_step import StageBuild, build_pipeline_step, make_pipeline_step
 
 # ------------------------------------------------------------------ a tiny stacked-layer model (tests/fixtures.py)
 
@@ -292,7 +292,8 @@ def test_llama_tiny_config_matches_the_one_device_step():
 def test_compiled_programs_match():
     params, batch = tiny_params(), batches(1)[0]
     pipe = build_pipeline(tiny_loss, params, {k: v[:4] for k, v in batch.items()}, 1, split=())
-    step = make_pipeline_step(pipe, get_schedule("zbh1", 1, 2), None, lambda norm: make_adamw(), compile=True)
+    step = make_pipeline_step(pipe, get_schedule("zbh1", 1, 2), None, lambda norm: make_adamw(),
+                              build=StageBuild(compile=True))
     pipe = step.pipe  # with this rank's programs
     out = executor.run_schedule(pipe, step.schedule, 0, {0: stage_params(params, pipe, 0)},
                                 executor.split_microbatches(batch, 2))

@@ -32,8 +32,7 @@ def _pipeline_ep_worker(overrides, schedules):
         schedule, _, turns = name.partition(":")
         cfg, model, params, _, batches = setup([*FOUR_LAYERS, *overrides, f"pipeline.schedule={schedule}",
                                                 f"pipeline.overlap_pairs={bool(turns)}"], MOE)
-        step = build_pipeline_step(cfg, model, params)
-        step.record = bool(turns)   # the trace of the pairs (EP: a member's exchange waits)
+        step = build_pipeline_step(cfg, model, params, record=bool(turns))  # the pairs' trace: EP waits
         local = step.scatter(params)
         state = step.optimizer.init(local)
         losses, grads, loads = [], None, []
