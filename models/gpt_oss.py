@@ -182,7 +182,7 @@ def experts(e: PyTree, x: torch.Tensor, indices: torch.Tensor, weights: torch.Te
             routed=None) -> torch.Tensor:
     """Each token through its top-k experts, each ``clamped_swiglu(x @ w13 + b13) @ w2 + b2``
     (``core.expert_ffn.ClampedSwiGLU``). ``routed`` runs them (None: ``core.moe.routed_experts``,
-    dropless on this device; under ``mesh.ep`` the expert-parallel exchange). ``[T, D]``."""
+    dropless on this device; a layout may pass its own). ``[T, D]``."""
     ffn = ClampedSwiGLU(limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
     return (routed or moe.routed_experts)(x, indices, weights, e["w13"], e["b13"], e["w2"], e["b2"], ffn=ffn)
 
@@ -215,8 +215,8 @@ def apply(params: PyTree, tokens: torch.Tensor, cfg: Config, *, experts=None) ->
 
 def loss(params: PyTree, batch: dict, cfg: Config, *, experts=None) -> torch.Tensor:
     """Mean cross-entropy of :func:`apply` against ``batch["targets"]``. ``experts``: the routed
-    experts as a function of ``core.moe.routed_experts``' signature (a layout's expert-parallel
-    all-to-all region).
+    experts as a function of ``core.moe.routed_experts``' signature (a layout's all-to-all
+    region).
 
     Example:
         loss(params, {"inputs": x, "targets": y}, cfg)  # 0-d tensor
