@@ -58,12 +58,15 @@ LAYOUTS = {
 }
 """What the default suite trains each family on, all in one 2-rank spawn."""
 MORE_LAYOUTS = {
-    "qwen3_tiny": {"pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
-    "qwen2_tiny": {"tp2": ["mesh.tp=2"]},
-    "mistral_tiny": {"fsdp2": ["mesh.fsdp=2", WINDOW], "pp2": ["mesh.pp=2", "pipeline.microbatches=2", WINDOW]},
-    "qwen3_moe_tiny": {"cp2": ["mesh.cp=2"]},
-    "mixtral_tiny": {"tp2": ["mesh.tp=2"]},
-    "gpt_oss_tiny": {"tp2": ["mesh.tp=2"], "fsdp2": ["mesh.fsdp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"]},
+    "qwen3_tiny": {"pp2": ["mesh.pp=2", "pipeline.microbatches=2"], "dp2": ["mesh.dp=2"]},
+    "qwen2_tiny": {"tp2": ["mesh.tp=2"], "dp2": ["mesh.dp=2"]},
+    "mistral_tiny": {"fsdp2": ["mesh.fsdp=2", WINDOW], "pp2": ["mesh.pp=2", "pipeline.microbatches=2", WINDOW],
+                     "dp2": ["mesh.dp=2", WINDOW]},
+    "qwen3_moe_tiny": {"cp2": ["mesh.cp=2"], "dp2": ["mesh.dp=2"]},
+    "mixtral_tiny": {"tp2": ["mesh.tp=2"], "dp2": ["mesh.dp=2"]},
+    "qwen2_moe_tiny": {"dp2": ["mesh.dp=2"]},
+    "gpt_oss_tiny": {"tp2": ["mesh.tp=2"], "fsdp2": ["mesh.fsdp=2"], "pp2": ["mesh.pp=2", "pipeline.microbatches=2"],
+                     "dp2": ["mesh.dp=2"]},
 }
 """The other layouts, with ``-m slow``."""
 
