@@ -34,10 +34,18 @@ __all__ = ["ExpertFFN", "SwiGLU", "ClampedSwiGLU", "SWIGLU", "ffn_from", "expert
 
 
 def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """``[rows]`` int64: the expert of each expert-major row (static shape, so it traces).
+    """``[rows]`` int64: the expert of each expert-major row, the number of group ends at or
+    before it (static shapes, and ops a sharding propagation has rules for: a comparison and a
+    sum, ``[rows, E]`` booleans).
 
         expert_of_rows(torch.tensor([2, 2, 5], dtype=torch.int32), 5)   # tensor([0, 0, 2, 2, 2])
     """
+    row = torch.arange(rows, dtype=offs.dtype, device=offs.device)
+    return (row.unsqueeze(1) >= offs.unsqueeze(0)).sum(1)
+
+
+def _expert_of_rows_now(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """:func:`expert_of_rows` by binary search, for the eager pair (nothing propagates there)."""
     return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
 
 
@@ -131,14 +139,14 @@ class ClampedSwiGLU(ExpertFFN):
         return grouped_mm(self._act(h), w2, offs) + b2[e]                       # [R, D]
 
     def forward(self, xs, offs, w13, b13, w2, b2):
-        e = expert_of_rows(offs, xs.shape[0])
+        e = _expert_of_rows_now(offs, xs.shape[0])
         h = grouped_mm_now(xs, w13, offs) + b13[e]
         return grouped_mm_now(self._act(h), w2, offs) + b2[e], (h,)
 
     def backward(self, d_out, xs, kept, offs, w13, b13, w2, b2):
         """Four grouped GEMMs and the activation's own vjp on the kept ``h`` (elementwise)."""
         (h,) = kept
-        e = expert_of_rows(offs, xs.shape[0])
+        e = _expert_of_rows_now(offs, xs.shape[0])
         a, act_vjp = torch.func.vjp(self._act, h)                               # [R, F]
         (dh,) = act_vjp(grouped_mm_now(d_out, w2.transpose(1, 2), offs))        # [R, 2F]
         dxs = grouped_mm_now(dh, w13.transpose(1, 2), offs)
