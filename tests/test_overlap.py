@@ -6,6 +6,8 @@ layer hands its shared experts to the expert-parallel region, which issues the d
 they run. Results: bitwise (fp32) those of the unscheduled program on 2 gloo ranks.
 """
 
+import os
+
 import pytest
 import torch
 from fixtures import shared_experts_outside_exchange
@@ -145,9 +147,15 @@ def _torchrun_way_worker(overrides):
 
     from shardfn.core._torch_private import gloo_worker_threads
     from shardfn.partition.mesh import Mesh
+    from shardfn.runtime.launch import free_port
     from shardfn.runtime.partitioned import full, mesh_from_config, overlaps
 
+    # a port of its own: the launcher's store closes with its group, and a new store bound to the
+    # same port at once can meet the old one's closing connections
+    port = torch.tensor([free_port() if dist.get_rank() == 0 else 0])
+    dist.all_reduce(port)
     dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(int(port))
     ours = c10d.ProcessGroupGloo
     c10d.ProcessGroupGloo = ours.__mro__[1]
     try:
