@@ -44,11 +44,6 @@ def expert_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
     return (row.unsqueeze(1) >= offs.unsqueeze(0)).sum(1)
 
 
-def _expert_of_rows_now(offs: torch.Tensor, rows: int) -> torch.Tensor:
-    """:func:`expert_of_rows` by binary search, for the eager pair (nothing propagates there)."""
-    return torch.searchsorted(offs, torch.arange(rows, dtype=offs.dtype, device=offs.device), right=True)
-
-
 def _segment_sum(values: torch.Tensor, expert: torch.Tensor, n_experts: int) -> torch.Tensor:
     """``[E, ...]``: the rows of ``values`` summed per expert (a bias's gradient)."""
     return values.new_zeros((n_experts, *values.shape[1:])).index_add_(0, expert, values)
@@ -65,12 +60,13 @@ class ExpertFFN:
         """Its settings, in field order (the exchange op carries them)."""
         return [float(getattr(self, f.name)) for f in dataclasses.fields(self)]
 
-    def kept_width(self, *weights) -> int:
-        """Columns the forward keeps per row for the backward (its pre-activations)."""
+    def kept_width(self, first) -> int:
+        """Columns the forward keeps per row for the backward (its pre-activations), from the
+        shape of its first weight (a shape or a tensor)."""
         raise NotImplementedError
 
-    def flops_per_row(self, *weights) -> float:
-        """Forward FLOPs for one routed row (shapes or tensors)."""
+    def flops_per_row(self, first) -> float:
+        """Forward FLOPs for one routed row, from the shape of its first weight."""
         raise NotImplementedError
 
 
@@ -111,11 +107,11 @@ class SwiGLU(ExpertFFN):
         dw1, dw2, dw3 = (grouped_mm_now(a.t(), b, offs) for a, b in ((xs, dh1), (h, d_out), (xs, dh3)))
         return dxs, dw1, dw2, dw3
 
-    def kept_width(self, w1, w2=None, w3=None) -> int:
-        return 2 * _shape(w1)[2]
+    def kept_width(self, first) -> int:
+        return 2 * _shape(first)[2]                                             # h1, h3: [R, F] each
 
-    def flops_per_row(self, w1, w2=None, w3=None) -> float:
-        _, D, F_ = _shape(w1)
+    def flops_per_row(self, first) -> float:
+        _, D, F_ = _shape(first)                                                # w1 [E, D, F]
         return 3 * 2.0 * D * F_
 
 
@@ -139,25 +135,25 @@ class ClampedSwiGLU(ExpertFFN):
         return grouped_mm(self._act(h), w2, offs) + b2[e]                       # [R, D]
 
     def forward(self, xs, offs, w13, b13, w2, b2):
-        e = _expert_of_rows_now(offs, xs.shape[0])
+        e = expert_of_rows(offs, xs.shape[0])
         h = grouped_mm_now(xs, w13, offs) + b13[e]
         return grouped_mm_now(self._act(h), w2, offs) + b2[e], (h,)
 
     def backward(self, d_out, xs, kept, offs, w13, b13, w2, b2):
         """Four grouped GEMMs and the activation's own vjp on the kept ``h`` (elementwise)."""
         (h,) = kept
-        e = _expert_of_rows_now(offs, xs.shape[0])
+        e = expert_of_rows(offs, xs.shape[0])
         a, act_vjp = torch.func.vjp(self._act, h)                               # [R, F]
         (dh,) = act_vjp(grouped_mm_now(d_out, w2.transpose(1, 2), offs))        # [R, 2F]
         dxs = grouped_mm_now(dh, w13.transpose(1, 2), offs)
         dw13, dw2 = grouped_mm_now(xs.t(), dh, offs), grouped_mm_now(a.t(), d_out, offs)
         return dxs, dw13, _segment_sum(dh, e, w13.shape[0]), dw2, _segment_sum(d_out, e, w13.shape[0])
 
-    def kept_width(self, w13, *rest) -> int:
-        return _shape(w13)[2]
+    def kept_width(self, first) -> int:
+        return _shape(first)[2]                                                 # h: [R, 2F]
 
-    def flops_per_row(self, w13, *rest) -> float:
-        _, D, F2 = _shape(w13)
+    def flops_per_row(self, first) -> float:
+        _, D, F2 = _shape(first)                                                # w13 [E, D, 2F]
         return 2.0 * D * F2 + 2.0 * (F2 // 2) * D
 
 

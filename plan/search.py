@@ -114,9 +114,11 @@ def _mesh_candidates(cfg, gpus: int, max_tp: int, model=None) -> list[dict]:
     return out
 
 
-def _microbatch_options(cfg, axes: dict) -> list[int]:
+def _microbatch_options(cfg, axes: dict, given: Sequence[int] | None = None) -> list[int]:
     if axes["pp"] == 1:
         return [1]          # the runtime splits a step into microbatches under pp only
+    if given:
+        return list(given)
     data = axes["dp"] * axes["fsdp"] * axes["ep"]
     if cfg.train.batch_size % data:
         return [1]          # refused by the batch check, with its message
@@ -197,7 +199,7 @@ def search(cfg, gpus: int, *, hardware: str | Hardware = "h200", dtype: torch.dt
         except PlanError as e:
             refused.append({"layout": mesh_layout.describe(), "key": e.key, "reason": str(e)})
             continue
-        for m in (microbatches if microbatches and axes["pp"] > 1 else _microbatch_options(cfg, axes)):
+        for m in _microbatch_options(cfg, axes, microbatches):
             for sched in (schedules if axes["pp"] > 1 else ("1f1b",)):
                 for ckpt in checkpointing:
                     layout = Layout(**axes, microbatches=m, schedule=sched, checkpointing=ckpt)

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from shardfn.core.expert_ffn import SWIGLU, ffn_from
+from shardfn.core.expert_ffn import SWIGLU, ExpertFFN, ffn_from
 from shardfn.partition.spmd.fx import moves_no_bytes, node_val
 
 aten = torch.ops.aten
@@ -46,7 +46,7 @@ _EXTRA = {
 }
 
 
-def expert_flops(x, idx, w1, shared_w1=None, ffn=None) -> float:
+def expert_flops(x, idx, w1, shared_w1=None, ffn: ExpertFFN = SWIGLU) -> float:
     """Forward FLOPs of the routed experts (``ffn``'s GEMMs, SwiGLU's three by default, over
     ``T * top_k`` rows of ``x [T, D]`` routed by ``idx [T, top_k]``, experts' first weight
     ``w1 [E, D, F]``) and, with ``shared_w1 [D, Hs]``, the shared experts' three matmuls over
@@ -60,7 +60,7 @@ def expert_flops(x, idx, w1, shared_w1=None, ffn=None) -> float:
     for d in idx:
         n *= d
     shared = 3 * 2.0 * x[0] * x[1] * _shape(shared_w1)[1] if shared_w1 is not None else 0.0
-    return n * (ffn or SWIGLU).flops_per_row(_shape(w1)) + shared
+    return n * ffn.flops_per_row(w1) + shared
 
 
 def _expert_flops(name: str, args: tuple) -> float | None:
