@@ -273,6 +273,7 @@ def _titan_worker(pairs: int, ep: int, compile_: bool) -> dict:
 
     from shardfn import models
     from shardfn.config import load_config
+    from shardfn.core.pytree import tree_map
     from shardfn.runtime import data
     from shardfn.runtime.build import build_step
 
@@ -285,8 +286,8 @@ def _titan_worker(pairs: int, ep: int, compile_: bool) -> dict:
     tokens = data.from_config(cfg.data)
     batches = [data.get_batch(tokens, i, batch_size=t.batch_size, seq_len=t.seq_len, seed=t.seed)
                for i in range(2 * pairs + 4)]
-    ours = build_step(cfg, model, params)
-    state = [*ours.place(params), 0]
+    ours = build_step(cfg, model, params, donate=True)  # as `shardfn train` builds it
+    state = [*ours.place(tree_map(torch.clone, params)), 0]  # its own copy: the step writes into it
     ep_group = dist.new_group(list(range(ep))) if ep > 1 else None  # TorchTitan's ep mesh dim: its own group
     theirs, module = module_step(cfg, params, ep_group)
     rank, rows = dist.get_rank(), t.batch_size // ep

@@ -243,11 +243,12 @@ def warmup_cosine(peak: float, warmup_steps: int, total_steps: int, min_ratio: f
 
 
 _FUSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-"""``transform.update -> fused(updates, state, params)``: the transforms whose update and
+"""``transform.update -> fused(updates, state, params, donate)``: the transforms whose update and
 :func:`apply_updates` have a fused eager form (see :func:`update_and_apply`)."""
 
 
-def update_and_apply(opt: GradientTransformation, updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+def update_and_apply(opt: GradientTransformation, updates: PyTree, state: Any, params: PyTree, *,
+                     donate: bool = False) -> tuple[PyTree, Any]:
     """``(apply_updates(params, u), state)`` for ``u, state = opt.update(updates, state, params)``.
 
     Eagerly, on plain tensors of one dtype and device, a transform that has a fused form
@@ -258,12 +259,19 @@ def update_and_apply(opt: GradientTransformation, updates: PyTree, state: Any, p
     Its values are ``torch.optim``'s and may differ from ``update`` then ``apply_updates`` in
     the last bit. Traced, on DTensors, or for any other transform: exactly that pair.
 
+    ``donate=True`` gives the call ``params``, ``state`` and ``updates`` to write into, as JAX's
+    ``donate_argnums`` does: the fused form then updates the parameters and moments in their own
+    memory, as ``torch.optim`` does, with the same kernels and bits, and returns those tensors. The
+    caller must not read the old values afterwards (a training loop that keeps only the new state).
+    Elsewhere it changes nothing.
+
     Example:
         params, state = update_and_apply(adamw(1e-3), grads, state, params)
+        params, state = update_and_apply(adamw(1e-3), grads, state, params, donate=True)  # in place
     """
     if eager():  # a look-up torch.compile need not trace: traced, it is the pair below
         fused = _FUSED.get(opt.update)
-        out = fused(updates, state, params) if fused is not None else None
+        out = fused(updates, state, params, donate) if fused is not None else None
         if out is not None:
             return out
     updates, state = opt.update(updates, state, params)
@@ -439,14 +447,14 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    def fused(updates, state, params):
+    def fused(updates, state, params, donate=False):
         if not isinstance(state, tuple) or len(state) != len(transforms) or _FUSED.get(transforms[-1].update) is None:
             return None
         new_states = []
         for t, s in zip(transforms[:-1], state[:-1]):
             updates, s = t.update(updates, s, params)
             new_states.append(s)
-        params, s = update_and_apply(transforms[-1], updates, state[-1], params)
+        params, s = update_and_apply(transforms[-1], updates, state[-1], params, donate=donate)
         return params, tuple(new_states) + (s,)
 
     chained = GradientTransformation(init, update)
@@ -554,7 +562,7 @@ def _adamw_fused(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_
             keeps[treedef] = leaves if all(isinstance(k, bool) for k in leaves) else False  # masked() explains
         return keeps[treedef]
 
-    def fused(updates, state, params):
+    def fused(updates, state, params, donate=False):
         if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], ScaleByAdamState)):
             return None
         adam_state, decay_state, lr_state = state
@@ -575,13 +583,22 @@ def _adamw_fused(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_
         count = adam_state.count + 1
         step_lr = _lr_at(lr, lr_state.count)
         dtype = p_k[0].dtype
-        mu_k = torch._foreach_lerp(mu_k, g_k, 1.0 - b1)                           # m <- b1 m + (1 - b1) g
-        nu_k = torch._foreach_mul(nu_k, b2)
+        decay = (1.0 - step_lr * weight_decay).to(dtype)
+        if donate:  # the caller's memory: torch.optim's in-place kernels, the same values
+            torch._foreach_lerp_(mu_k, g_k, 1.0 - b1)                             # m <- b1 m + (1 - b1) g
+            torch._foreach_mul_(nu_k, b2)
+        else:
+            mu_k = torch._foreach_lerp(mu_k, g_k, 1.0 - b1)
+            nu_k = torch._foreach_mul(nu_k, b2)
         torch._foreach_addcmul_(nu_k, g_k, g_k, value=1.0 - b2)                  # v <- b2 v + (1 - b2) g^2
         denom = torch._foreach_sqrt(nu_k)
         torch._foreach_div_(denom, torch.sqrt(_one_minus_pow(b2, count)).to(dtype))
         torch._foreach_add_(denom, eps)                                           # sqrt(v) / sqrt(1 - b2^t) + eps
-        new_p = torch._foreach_mul(p_k, (1.0 - step_lr * weight_decay).to(dtype))  # decoupled decay
+        if donate:
+            torch._foreach_mul_(p_k, decay)                                       # decoupled decay
+            new_p = p_k
+        else:
+            new_p = torch._foreach_mul(p_k, decay)
         step = (-step_lr / _one_minus_pow(b1, count)).to(dtype)
         # - lr / (1 - b1^t) * m / denom; the kernel reads its scalars on the host, as torch.optim's
         # non-capturable AdamW computes them there (on a GPU, one copy of a 0-d tensor a step)

@@ -38,8 +38,10 @@ class LoweredStep:
     """A function traced and partitioned for one mesh and one input signature."""
 
     def __init__(self, traced: Traced, lowered: Lowered, mesh: Mesh, in_specs, out_specs, arg_roles,
-                 grads_role: str | None = None, announce: Callable[[str], None] | None = None):
+                 grads_role: str | None = None, announce: Callable[[str], None] | None = None,
+                 donated: Sequence[bool] = ()):
         self.traced = traced
+        self.donated = tuple(donated)  # per input leaf: the uncompiled program may write over it
         self.lowered = lowered
         self.mesh = mesh
         self.in_specs = in_specs
@@ -97,7 +99,7 @@ class LoweredStep:
         the reports read :attr:`graph_module`, before that rewrite)."""
         if self._compiled is None or self._compiled[0] != backend:
             if backend is None:
-                fn = in_place_copy(self.graph_module)
+                fn = in_place_copy(self.graph_module, self.donated)
             else:  # inductor takes no in-place collective (a bucket's all-reduce)
                 fn = torch.compile(functional_collectives(self.graph_module), backend=backend, dynamic=False)
             self._compiled = (backend, fn)
@@ -113,6 +115,8 @@ class LoweredStep:
         if not all(isinstance(x, torch.Tensor) for x in leaves):
             flatten_args(args)  # raises, naming the leaf
         local = self._local(leaves)
+        if backend is None and any(self.donated):
+            self._check_donated(local)
         first = backend is not None and (self._compiled is None or self._compiled[0] != backend)
         start = time.perf_counter()
         program = self.compile(backend)
@@ -123,6 +127,18 @@ class LoweredStep:
             self.announce(f"sf.jit: compiled {self.name} for {self.mesh} with {backend} and ran it once in "
                           f"{time.perf_counter() - start:.1f} s")
         return optree.tree_unflatten(self.traced.out_treedef, self._wrap_outputs(outs))
+
+    def _check_donated(self, local: list[torch.Tensor]) -> None:
+        """Two donated inputs in one memory would each be written as if it were its own."""
+        seen: dict[int, int] = {}
+        for i, (x, d) in enumerate(zip(local, self.donated)):
+            if d and x.numel():
+                j = seen.setdefault(x.untyped_storage().data_ptr(), i)
+                if j != i:
+                    paths = [f"{self.arg_roles[k]}.{self.traced.in_paths[k].partition('.')[2]}" for k in (j, i)]
+                    raise ValueError(f"sf.jit donate_argnums: inputs {paths[0]} and {paths[1]} share one memory, "
+                                     "and a donated input is written over; pass separate tensors (clone one) "
+                                     "or leave that argument out of donate_argnums")
 
     def local_inputs(self, *args) -> list[torch.Tensor]:
         """``args``' leaves as the program takes them: this rank's local tensors.
@@ -173,8 +189,10 @@ class Jitted:
     """The callable ``sf.jit`` returns: lowers once per input signature, then runs compiled."""
 
     def __init__(self, fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget=None,
-                 reshard_after_forward=True, passes=None, bucket_bytes=None, verbose=False, sequence_parallel=()):
+                 reshard_after_forward=True, passes=None, bucket_bytes=None, verbose=False, sequence_parallel=(),
+                 donate_argnums=()):
         self.fn = fn
+        self.donate_argnums = tuple(donate_argnums)
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
@@ -269,7 +287,8 @@ class Jitted:
         lowered.graph_module = self.passes.run("after_lower", traced, lowered.graph_module)
         grads_role = None if "params" in roles or not self.fsdp_argnums else "+".join(
             dict.fromkeys(r for r, i in zip(roles, arg_of_leaf) if i in self.fsdp_argnums))
-        step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None)
+        step = LoweredStep(traced, lowered, self.mesh, in_specs, out_specs, roles, grads_role or None,
+                           donated=[i in self.donate_argnums for i in arg_of_leaf])
         if result is not None:
             step.auto = result  # the solver's choice: .to_rules_yaml(), .comparison_table(...)
         return step
@@ -298,6 +317,7 @@ def jit(
     bucket_bytes: int | None = None,
     verbose: bool = False,
     sequence_parallel: str | Sequence[str] = (),
+    donate_argnums: Sequence[int] = (),
 ) -> Jitted:
     """Partition ``fn`` (a pure function of pytrees of tensors) over ``mesh``.
 
@@ -335,6 +355,10 @@ def jit(
             over them of an activation ``[batch, seq, ...]`` is reduce-scattered over its seq dim
             instead of all-reduced, so norms and residual adds run on ``1/tp`` of the tokens, and
             the gather before the next matmul is made once for all its consumers (``docs/context.md``).
+        donate_argnums: arguments the caller gives up, as in ``jax.jit``: the uncompiled per-rank
+            program (``backend=None``) writes values into their memory where the old value dies
+            (a train step's new parameters and optimizer state, as ``torch.optim`` updates in
+            place); the caller must not read them after the call. Inductor ignores it.
 
     Example:
         step = jit(lambda w, x: (x @ w).sum(), mesh, in_specs=(P(None, "tp"), P("dp")))
@@ -344,7 +368,7 @@ def jit(
         raise TypeError(f"sf.jit: mesh must be a shardfn.Mesh, got {type(mesh).__name__} {mesh!r}; "
                         f"build one with sf.Mesh({{'dp': 2}}) (fake=True to plan in one process)")
     return Jitted(fn, mesh, in_specs, out_specs, fsdp_argnums, fsdp_axes, backend, arg_names, memory_budget,
-                  reshard_after_forward, passes, bucket_bytes, verbose, sequence_parallel)
+                  reshard_after_forward, passes, bucket_bytes, verbose, sequence_parallel, donate_argnums)
 
 
 def _sequence_axes(axes: str | Sequence[str], mesh: Mesh) -> tuple[str, ...]:

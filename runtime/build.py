@@ -23,7 +23,7 @@ from shardfn.runtime.step import Step, identity_state
 from shardfn.runtime.train_step import make_optimizer, make_train_step, precision_policy
 
 
-def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
+def build_step(cfg, model, params: PyTree, *, record: bool = False, donate: bool = False) -> Step:
     """The step of the run config ``cfg`` for ``model`` on this rank.
 
     Args:
@@ -33,6 +33,11 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
             dtypes (``runtime.param_source.abstract``); ``step.place`` then builds the state from a
             full tree or a source of regions, each rank only its own blocks.
         record: pipelines: time every action, for ``step.write_trace``.
+        donate: the caller hands each call's ``params`` and ``opt_state`` to the step, which may
+            write the new state into them (the optimizer's update in place, as ``torch.optim``
+            does; eager steps only: one device, or a mesh's uncompiled program). A loop that
+            keeps only the returned state passes it; ``shardfn train`` does, unless
+            ``train.nonfinite=skip`` needs the old state back.
 
     Example:
         step = build_step(cfg, llama, params)
@@ -46,22 +51,23 @@ def build_step(cfg, model, params: PyTree, *, record: bool = False) -> Step:
     if cfg.mesh.world_size > 1:
         from shardfn.runtime.partitioned import mesh_from_config, mesh_step
 
-        return mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg))
-    return device_step(cfg, model, optimizer, params)
+        return mesh_step(cfg, model, optimizer, params, mesh_from_config(cfg), donate=donate)
+    return device_step(cfg, model, optimizer, params, donate=donate)
 
 
-def device_step(cfg, model, optimizer, like: PyTree = None) -> Step:
+def device_step(cfg, model, optimizer, like: PyTree = None, *, donate: bool = False) -> Step:
     """The one-device :class:`~shardfn.runtime.step.Step`: plain tensors; with ``train.compile``
     its repeated layer compiled once (``whole``: the whole step as one graph); ``train.precision``
     its compute dtype, ``train.remat`` run as the traced step rewritten by ``partition.passes.remat``.
-    ``like`` gives the tree's shapes for a ``place`` from a source.
+    ``like`` gives the tree's shapes for a ``place`` from a source; ``donate`` as :func:`build_step`.
 
     Example:
         step = device_step(cfg, llama, make_optimizer(cfg.train, llama))
     """
     model = models.get(model)
-    fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=cfg.train.nonfinite == "skip",
-                         precision=precision_policy(cfg.train))
+    skip = cfg.train.nonfinite == "skip"
+    fn = make_train_step(model, cfg.model, optimizer, skip_nonfinite=skip, precision=precision_policy(cfg.train),
+                         donate=donate and not skip)
     if cfg.train.remat != "none":  # the step's traced joint graph, rewritten by the remat pass
         fn = rematerialized(fn, cfg.train.remat, backend="inductor" if cfg.train.compile else None)
     elif cfg.train.compile == "whole":

@@ -85,14 +85,16 @@ def layout(cfg, model, params, opt_state, mesh) -> dict[str, Any]:
     }
 
 
-def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "default") -> Step:
+def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "default", donate: bool = False) -> Step:
     """The :class:`~shardfn.runtime.step.Step` of ``cfg`` on ``mesh``: ``train_step`` as an
     ``sf.jit`` program (the global batch in; params and optimizer state stay DTensors of
     ``specs``; metrics come back as plain replicated tensors).
 
     ``params`` gives the optimizer state's structure (real or fake tensors). ``backend``:
     ``"default"`` compiles with inductor when ``train.compile``; None runs the per-rank program
-    as it is.
+    as it is. ``donate``: each call's ``params`` and ``opt_state`` are the step's to write the new
+    ones over (``sf.jit``'s ``donate_argnums``; not under ``train.nonfinite=skip``, which returns
+    the old state on a skipped step).
 
     Example:
         step = mesh_step(cfg, llama, make_optimizer(cfg.train, llama), params, mesh_from_config(cfg))
@@ -126,6 +128,7 @@ def mesh_step(cfg, model, optimizer, params, mesh, *, backend: str | None = "def
         reshard_after_forward=reshard_after_forward(cfg), bucket_bytes=cfg.partition.bucket_bytes,
         passes=_passes(cfg, mesh),
         sequence_parallel=("tp",) if cfg.partition.sequence_parallel and "tp" in mesh.axes else (),
+        donate_argnums=(0, 1) if donate and not skip else (),
     )
     last: dict = {}
     split = seq_split(specs["rules"], mesh.axes)

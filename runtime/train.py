@@ -121,7 +121,8 @@ def _train(cfg, metrics_path, log, trace_dir) -> TrainResult:
     found = run_identity.resume_path(ckpt)  # by train.checkpoint.resume; None: step 0
     changes = run_identity.check_resume(found, cfg.to_dict()) if found is not None else []  # another model: an error
     shapes = model.init(cfg.model, t.seed, device="meta")
-    step_fn = build_step(cfg, model, abstract(shapes, device), record=trace_dir is not None)
+    # the loop keeps only each step's new state: the step may write it over the old (donate)
+    step_fn = build_step(cfg, model, abstract(shapes, device), record=trace_dir is not None, donate=True)
     n_params = count(shapes)
     params, opt_state = step_fn.place(source)  # each rank builds only what it holds
     if found is not None:  # in the step's layout: DTensors of its specs on a mesh, whatever mesh saved it

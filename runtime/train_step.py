@@ -84,7 +84,7 @@ def step_metrics(loss: torch.Tensor, grads: PyTree, opt_state: Any, *,
 
 def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *,
                     skip_nonfinite: bool = False, experts: Callable | None = None,
-                    precision: Policy | None = None) -> StepFn:
+                    precision: Policy | None = None, donate: bool = False) -> StepFn:
     """The pure training step: ``(params, opt_state, batch) -> (params, opt_state, metrics)``.
 
     One call does the loss and its gradient (``model.loss_and_aux``), the optimizer update,
@@ -104,6 +104,11 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
         precision: a ``core.precision.Policy``: the loss computes in its ``compute_dtype`` (the
             parameters cast on the way in), the state and the gradients stay in the parameters'
             dtype (None: as the parameters are).
+        donate: the caller gives ``params`` and ``opt_state`` to the step, as JAX's
+            ``donate_argnums``: run eagerly, the optimizer writes the new values into their memory
+            (``optim.update_and_apply(..., donate=True)``), as ``torch.optim`` does; the old values
+            are gone after the call. A training loop that keeps only the new state passes it
+            (``shardfn train`` does); it cannot go with ``skip_nonfinite``, which returns the old.
 
     Returns:
         ``train_step``; its ``metrics`` are 0-d tensors: :func:`step_metrics`, the aux values that
@@ -113,6 +118,10 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
         step = make_train_step(llama, cfg.model, make_optimizer(cfg.train, llama))
         params, opt_state, metrics = step(params, opt_state, batch)
     """
+    if donate and skip_nonfinite:
+        raise ValueError("make_train_step: donate=True writes the new state over the old, and skip_nonfinite "
+                         "returns the old state on a NaN/Inf step; pass one of them (train.nonfinite=skip "
+                         "runs without donation)")
     model = models.get(model)
     retain_freed_memory()
     loss_fn = lambda params, batch: model.loss_and_aux(params, batch, model_cfg, experts=experts)  # noqa: E731
@@ -120,7 +129,7 @@ def make_train_step(model, model_cfg, optimizer: optim.GradientTransformation, *
 
     @region
     def update(grads, opt_state, params):  # one compiled region under train.compile=true
-        return optim.update_and_apply(optimizer, grads, opt_state, params)  # fused eagerly where it can be
+        return optim.update_and_apply(optimizer, grads, opt_state, params, donate=donate)  # fused eagerly
 
     def train_step(params, opt_state, batch):
         before = (params, opt_state)

@@ -55,6 +55,36 @@ def test_an_adamw_step_writes_its_dead_values_in_place_and_gives_the_same_bits()
     assert all(torch.equal(a, b) for a, b in zip(leaves, before))  # the inputs are not written
 
 
+def test_a_donated_step_writes_the_new_state_over_the_old_with_the_same_bits():
+    # sf.jit's donate_argnums: the params and state placeholders are the program's to write where
+    # they die, so the update lands in their memory (as torch.optim's); the batch is never written
+    args = _adamw_args()
+    gm = trace(_adamw_step, args).graph_module
+    n_params, n_state = len(optree.tree_leaves(args[0])), len(optree.tree_leaves(args[1]))
+    donated = [True] * (n_params + n_state) + [False]
+    new = in_place_copy(gm, donated)
+    # beyond what dies inside: both moments' first links (lerp into m, v * b2 into v) and the
+    # two step counts (count + 1) now write into the donated inputs
+    ops = ("aten.add.Tensor", "aten.lerp.Scalar", "aten.lerp_.Scalar", "aten.mul.Tensor", "aten.mul_.Tensor")
+    assert _names(count_targets(in_place_copy(gm)), *ops) == {
+        "aten.add.Tensor": 3, "aten.lerp.Scalar": 2, "aten.lerp_.Scalar": 0, "aten.mul.Tensor": 2,
+        "aten.mul_.Tensor": 8}
+    assert _names(count_targets(new), *ops) == {
+        "aten.add.Tensor": 1, "aten.lerp.Scalar": 0, "aten.lerp_.Scalar": 2, "aten.mul.Tensor": 0,
+        "aten.mul_.Tensor": 10}
+    leaves = optree.tree_leaves(args)
+    ref = gm(*leaves)
+    given = [x.clone() for x in leaves]
+    batch = given[-1].clone()
+    out = new(*given)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    # 8 of the 10 state leaves come back in their old memory: parameters, moments and the two
+    # step counts (the clip's norm and the step's learning rate are new values, not updates)
+    written = {x.data_ptr() for x in given[:-1]} & {y.data_ptr() for y in out}
+    assert len(written) == n_params + n_state - 2 == 8
+    assert torch.equal(given[-1], batch)
+
+
 def _targets(fn, *args):
     return [n.target for n in in_place_copy(make_fx(fn)(*args)).graph.nodes if n.op == "call_function"]
 

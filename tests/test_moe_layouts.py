@@ -77,8 +77,16 @@ def _in_place_worker():
     in_place = lowered.compile(None)(*local)
     counts = {name: (count_targets(lowered.graph_module)[f"aten.{name}.Tensor"],
                      count_targets(lowered.compile(None))[f"aten.{name}.Tensor"]) for name in ("add", "div")}
+    # what `shardfn train` runs: params and optimizer state donated, the update written over them
+    donating = build_step(cfg, model, params, donate=True).jitted.lower(p, s, batches[1])
+    given = [x.clone() for x in local]
+    donated = donating.compile(None)(*given)
+    n_state = sum(donating.donated)
+    written = {x.data_ptr() for x, d in zip(given, donating.donated) if d} & {y.data_ptr() for y in donated}
     return {"same": len(functional) == len(in_place) and all(torch.equal(a, b) for a, b in zip(functional, in_place)),
-            "inputs_kept": all(torch.equal(a, b) for a, b in zip(local, before)), "counts": counts}
+            "inputs_kept": all(torch.equal(a, b) for a, b in zip(local, before)), "counts": counts,
+            "donated_same": all(torch.equal(a, b) for a, b in zip(functional, donated)),
+            "written_over": (len(written), n_state)}
 
 
 @pytest.mark.slow
@@ -86,7 +94,7 @@ def test_ep2_program_written_in_place_gives_the_functional_programs_bits():
     """The per-rank program an eager ep2 step runs (partition.inplace) against the functional
     one it was made from, on the same inputs: the same bits, fewer out-of-place adds and
     divisions, the inputs untouched (the MoE exchange's and the collectives' inputs are left
-    alone)."""
+    alone); and with params and state donated, the same bits written over the old state."""
     from shardfn.runtime.launch import spawn
 
     for rank in spawn(_in_place_worker, 2, timeout_s=1200):
@@ -95,3 +103,6 @@ def test_ep2_program_written_in_place_gives_the_functional_programs_bits():
         # and the backward's sums write in place; what stays reads an input (the moments' first
         # links, the step counts) or a value used later (m / (1 - b1^t): m is the new moment)
         assert rank["counts"] == {"add": (167, 8), "div": (137, 34)}
+        assert rank["donated_same"]
+        written, n_state = rank["written_over"]
+        assert written >= n_state // 2, rank["written_over"]  # parameters and moments in their old memory

@@ -420,3 +420,23 @@ def test_fused_adamw_falls_back_to_update_then_apply_where_it_does_not_apply():
     updates, _ = opt.update(grads, state, params)
     want = optim.apply_updates(params, updates)
     assert all(torch.equal(new[k], want[k]) for k in want)
+
+
+def test_donated_update_writes_in_place_with_the_same_bits():
+    # donate=True: the fused AdamW writes the new parameters and moments into the tensors it was
+    # given (torch.optim's in-place kernels); the values are the undonated call's, bit for bit
+    from shardfn.core.optim import update_and_apply
+
+    mask = {"w": True, "experts": True, "router_bias": False, "norm": True}
+    opt = optim.chain(optim.clip_by_global_norm(1.0),
+                      optim.adamw(optim.warmup_cosine(1e-2, 2, 10), b2=0.95, weight_decay=0.1, mask=mask))
+    kept = _moe_like_tree()
+    given = tree_map(torch.clone, kept)
+    kept_state, given_state = opt.init(kept), opt.init(given)
+    memory = [x.data_ptr() for x in tree_leaves((given, given_state[1][0].mu, given_state[1][0].nu))]
+    for step in range(4):
+        grads = _moe_like_tree(step + 1)
+        kept, kept_state = update_and_apply(opt, grads, kept_state, kept)
+        given, given_state = update_and_apply(opt, grads, given_state, given, donate=True)
+    assert [x.data_ptr() for x in tree_leaves((given, given_state[1][0].mu, given_state[1][0].nu))] == memory
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((kept, kept_state)), tree_leaves((given, given_state))))

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from shardfn import models
 from shardfn.config import load_config
 from shardfn.core import optim
-from shardfn.core.pytree import tree_leaves
+from shardfn.core.pytree import tree_leaves, tree_map
 from shardfn.runtime import data
 from shardfn.runtime.build import build_step
 from shardfn.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -249,3 +249,26 @@ def test_train_compile_takes_regional_or_whole_and_refuses_the_rest():
     assert load_config(None, ["train.compile=true"]).train.compile is True
     with pytest.raises(ValueError, match=r"train.compile must be false, true, regional or whole, got 'fast'"):
         load_config(None, ["train.compile=fast"])
+
+
+def test_a_donating_step_trains_as_the_pure_one_and_refuses_skip_nonfinite():
+    # what `shardfn train` builds (donate=True): the same losses and parameters, bit for bit, as
+    # the step that leaves its inputs alone; with train.nonfinite=skip it cannot donate
+    cfg = load_config("moe_tiny", SMALL)
+    model = models.get(cfg.model_name)
+    params = model.init(cfg.model, 0)
+    tokens = data.load_tokens(None)
+    runs = []
+    for donate in (False, True):
+        step = build_step(cfg, model, params, donate=donate)
+        p, s = step.place(tree_map(torch.clone, params))
+        losses = []
+        for i in range(4):
+            p, s, m = step(p, s, data.get_batch(tokens, i, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len))
+            losses.append(m["loss"])
+        runs.append((losses, p, s))
+    (l0, p0, s0), (l1, p1, s1) = runs
+    assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p0, s0)), tree_leaves((p1, s1))))
+    with pytest.raises(ValueError, match="train.nonfinite=skip runs without donation"):
+        make_train_step(model, cfg.model, make_optimizer(cfg.train, model), skip_nonfinite=True, donate=True)

@@ -12,9 +12,11 @@ into ``a``; so the values are the same to the bit) where:
 - nothing reads ``a``'s memory after the op: not ``a``, not a view of it, not a tensor it is
   a view of (the pieces of a ``split`` are apart from each other), not the program's outputs;
 - that memory is the program's own: not an input (the caller's parameters and state stay as
-  they were) and not read by an op outside ATen that could keep it past its last use in the
-  graph (a collective until its ``wait_tensor``, an opaque op such as the MoE exchange for
-  good).
+  they were), unless the caller donated that input (``donated``, from ``sf.jit``'s
+  ``donate_argnums``: the new parameters and moments are then written over the old, as
+  ``torch.optim`` writes them), and not read by an op outside ATen that could keep it past its
+  last use in the graph (a collective until its ``wait_tensor``, an opaque op such as the MoE
+  exchange for good).
 
 ``mul(s, a)`` and ``add(s, a)`` (no ``alpha``) are taken as ``mul(a, s)`` and ``add(a, s)``
 where ``a`` is the one that dies: IEEE addition and multiplication commute exactly.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 import torch.fx as fx
@@ -48,22 +51,26 @@ _NO_ALIAS_ANNOTATION_VIEWS = (_aten._unsafe_view.default,)
 _END = 1 << 62
 
 
-def in_place_copy(gm: fx.GraphModule) -> fx.GraphModule:
+def in_place_copy(gm: fx.GraphModule, donated: Sequence[bool] = ()) -> fx.GraphModule:
     """A copy of ``gm`` (the nodes copied, their values shared) with :func:`in_place` applied;
     ``gm`` itself is left as it was (the reports read it).
 
         program = in_place_copy(lowered.graph_module)
     """
-    return in_place(fx.GraphModule(gm, copy.deepcopy(gm.graph)))
+    return in_place(fx.GraphModule(gm, copy.deepcopy(gm.graph)), donated)
 
 
-def in_place(gm: fx.GraphModule) -> fx.GraphModule:
+def in_place(gm: fx.GraphModule, donated: Sequence[bool] = ()) -> fx.GraphModule:
     """Rewrite ``gm``'s elementwise ops into their in-place forms where their first input dies
-    with them (see the module docstring); returns ``gm``, recompiled.
+    with them (see the module docstring); returns ``gm``, recompiled. ``donated[i]``: the
+    program may write over its ``i``-th input where that value dies (default: no input).
 
         in_place(gm)
+        in_place(gm, donated=[True, True, False])   # the first two inputs are the caller's to lose
     """
     nodes = list(gm.graph.nodes)
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    own = {n for n, d in zip(inputs, donated) if d}   # inputs whose memory the program may reuse
     position = {n: i for i, n in enumerate(nodes)}
     base: dict[fx.Node, fx.Node] = {}                 # a node -> the node whose memory it views
     children: dict[fx.Node, list[fx.Node]] = {}
@@ -77,8 +84,8 @@ def in_place(gm: fx.GraphModule) -> fx.GraphModule:
             last_read[a] = max(last_read.get(a, -1), _read_until(n, position))
     changed = False
     for i, n in enumerate(nodes):
-        form = next((f for f in _in_place_forms(n) if _dies_here(f[1][0], i, base, children, last_read, position)),
-                    None)
+        form = next((f for f in _in_place_forms(n)
+                     if _dies_here(f[1][0], i, base, children, last_read, position, own)), None)
         if form is None:
             continue
         target, args = form
@@ -174,14 +181,16 @@ def _fits(a, out: torch.Tensor) -> bool:
     return val.numel() > 0 and memory_order(val) is not None
 
 
-def _dies_here(a: fx.Node, i: int, base: dict, children: dict, last_read: dict, position: dict) -> bool:
-    """Nothing reads ``a``'s memory after position ``i``, and that memory is the program's own."""
-    if a.op != "call_function" or position.get(a, _END) >= i:
+def _dies_here(a: fx.Node, i: int, base: dict, children: dict, last_read: dict, position: dict,
+               own: set = frozenset()) -> bool:
+    """Nothing reads ``a``'s memory after position ``i``, and that memory is the program's own
+    (made by it, or an input in ``own``, the donated ones)."""
+    if (a.op != "call_function" and a not in own) or position.get(a, _END) >= i:
         return False
     up = [a]
     while up[-1] in base:
         up.append(base[up[-1]])
-    if up[-1].op != "call_function":  # an input's (or a constant's) memory
+    if up[-1].op != "call_function" and up[-1] not in own:  # an input's (or a constant's) memory
         return False
     on_path = set(up)
     stack, seen = [up[-1]], set()
