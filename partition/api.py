@@ -135,7 +135,8 @@ class LoweredStep:
             if d and x.numel():
                 j = seen.setdefault(x.untyped_storage().data_ptr(), i)
                 if j != i:
-                    paths = [f"{self.arg_roles[k]}.{self.traced.in_paths[k].partition('.')[2]}" for k in (j, i)]
+                    paths = [".".join(filter(None, (self.arg_roles[k], self.traced.in_paths[k].partition(".")[2])))
+                             for k in (j, i)]
                     raise ValueError(f"sf.jit donate_argnums: inputs {paths[0]} and {paths[1]} share one memory, "
                                      "and a donated input is written over; pass separate tensors (clone one) "
                                      "or leave that argument out of donate_argnums")

@@ -105,4 +105,6 @@ def test_ep2_program_written_in_place_gives_the_functional_programs_bits():
         assert rank["counts"] == {"add": (167, 8), "div": (137, 34)}
         assert rank["donated_same"]
         written, n_state = rank["written_over"]
-        assert written >= n_state // 2, rank["written_over"]  # parameters and moments in their old memory
+        # 92 of the 100 donated leaves come back in their old memory: parameters, moments, step
+        # counts; not the frozen router biases (returned as they came), the clip norm, the lr
+        assert (written, n_state) == (92, 100)

@@ -115,14 +115,27 @@ def _local_map_worker():
     step = sf.jit(region_step, mesh, in_specs=(P(), P("dp")), out_specs=(P(), P()), backend=None)
     new_w, loss = step(w, x)
     assert step.programs() == [step.lower(w, x)]  # the one program that call lowered
-    return new_w.full_tensor(), loss.full_tensor(), step.lower(w, x).comm_report()
+    # donate_argnums: the first argument's memory takes the new value; one tensor given as two
+    # donated arguments is refused by name
+    donating = sf.jit(lambda a, b: (a * 2, b + 1), mesh, donate_argnums=(0, 1), backend=None)
+    a, b = w.clone(), x.clone()
+    a_memory = a.data_ptr()
+    doubled, _ = donating(a, b)
+    assert doubled.to_local().data_ptr() == a_memory and torch.equal(doubled.full_tensor(), w * 2)
+    try:
+        donating(a, a)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return new_w.full_tensor(), loss.full_tensor(), step.lower(w, x).comm_report(), refused
 
 
 def test_local_map_parity():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(8, 8, generator=g), torch.randn(4, 8, generator=g)
     ref_w, ref_loss = region_step(w, x)
-    new_w, loss, comm = spawn(_local_map_worker, 2, timeout_s=600)[1]
+    new_w, loss, comm, refused = spawn(_local_map_worker, 2, timeout_s=600)[1]
+    assert "inputs arg0 and arg1 share one memory" in refused and "clone one" in refused
     torch.testing.assert_close(new_w, ref_w, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     # the weight's cotangent is a partial sum over dp: one all-reduce of 8x8 fp32, plus the loss
