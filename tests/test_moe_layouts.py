@@ -105,6 +105,7 @@ def test_ep2_program_written_in_place_gives_the_functional_programs_bits():
         assert rank["counts"] == {"add": (167, 8), "div": (137, 34)}
         assert rank["donated_same"]
         written, n_state = rank["written_over"]
-        # 92 of the 100 donated leaves come back in their old memory: parameters, moments, step
-        # counts; not the frozen router biases (returned as they came), the clip norm, the lr
+        # 92 of the 100 donated leaves come back in their old memory (parameters, moments, step
+        # counts); the other 8 are new values or pass through (among them the router bias, moved
+        # by its own rule, its frozen moments, the clip's norm and the learning rate)
         assert (written, n_state) == (92, 100)
