@@ -78,6 +78,8 @@ REFERENCES = (
      "pp=8 fsdp=2 ep=32 mb=8 interleaved_1f1b ckpt"),
     ("DeepSeek-V3 671B, 2048 GPUs, the report's layout (PP 16 DualPipe / EP 64 / DP 2)", "deepseek_v3_671b", [], 2048,
      "h200", "pp=16 dp=2 ep=64 mb=120 dualpipev ckpt"),
+    ("DeepSeek-V3 671B, 2048 H100, Megatron-Core's layout (TP 2 / PP 16 / EP 64; EP folded into DP)",
+     "deepseek_v3_671b", [], 2048, "h100", "pp=16 tp=2 ep=64 mb=240 interleaved_1f1b ckpt"),
     ("Kimi-K2 1T, 2048 GPUs, the report's layout (PP 16 interleaved / EP 16 / FSDP 8)", "kimi_k2_1t", [], 2048, "h200",
      "pp=16 fsdp=8 ep=16 mb=128 interleaved_1f1b ckpt"),
 )
