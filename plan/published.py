@@ -55,6 +55,7 @@ class PublishedRun:
     assumed: str = ""     # what the source does not say and this row assumes
     compile: bool = True  # torch.compile on (sources that do not say are planned compiled)
     known_gap: str = ""   # why the estimate misses this row by more than the target, when it does
+    reshard_after_forward: bool = True  # FSDP gathers the weights again for the backward
     reference: bool = field(default=True)
 
     def load(self):
@@ -115,7 +116,8 @@ def planned(row: PublishedRun) -> dict:
         planned(PUBLISHED_RUNS[0])["tokens_per_s_per_device"]    # ~6,700
     """
     return run_estimate(row.load(), row.layout, hardware=row.hardware,
-                        spec=RunSpec(remat=row.remat, rows=row.rows, compile=row.compile))
+                        spec=RunSpec(remat=row.remat, rows=row.rows, compile=row.compile,
+                                     reshard_after_forward=row.reshard_after_forward))
 
 
 def table_rows() -> list[dict]:
@@ -138,5 +140,5 @@ if __name__ == "__main__":
     for r in table_rows():
         mem = f"{r['planned_memory_gib']:.1f}/{r['memory_gib']} ({r['memory_ratio']:.2f})" if r["memory_gib"] else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
-        print(f"{r['name']:<62} {r['planned_tokens_per_s']:>8,.0f} / {r['tokens_per_s']:>6,} "
+        print(f"{r['name']:<70} {r['planned_tokens_per_s']:>8,.0f} / {r['tokens_per_s']:>6,.0f} "
               f"({r['tokens_ratio']:.2f})  mfu {r['planned_mfu']:.1%} / {mfu}  mem {mem}")
