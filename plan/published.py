@@ -19,6 +19,9 @@ GIB = 1 << 30
 
 TORCHTITAN_PERF = "pytorch/torchtitan docs/performance.md"
 TORCHTITAN_PERF_2024 = "pytorch/torchtitan docs/performance.md (2024 edition, 64 A100)"
+AUTOMODEL_PERF = ("NVIDIA-NeMo/Automodel docs/performance-summary.md @ 8d9bfb90e3d8, Pre-Training Performance, "
+                  "DGX-H100 BF16; recipe examples/benchmark/configs/{}.yaml at that commit")
+H100_BF16_TFLOPS = 989.0  # the NVIDIA rows' MFU: their model TFLOP/s over this (AutoModel's stated peak)
 
 LLAMA2_13B = ["model.vocab_size=32000", "model.dim=5120", "model.n_layers=40", "model.n_heads=40",
               "model.n_kv_heads=40", "model.ffn_dim=13824", "model.rope_theta=10000.0"]
@@ -106,6 +109,65 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  fitted="expert load imbalance (1.28)",
                  assumed="8 microbatches of one sequence per data rank, full AC, datasheet H100; shardfn's layout "
                          "shards dense weights over fsdp=2 where TorchTitan's FSDP spans 64 ranks"),
+    PublishedRun("NeMo AutoModel DeepSeek-V3 671B, 256 H100, PP 4 / EP 64 / FSDP 64", "deepseek_v3_671b", [],
+                 Layout(pp=4, ep=64, microbatches=8, schedule="interleaved_1f1b", virtual=8), 1, 4096, "full",
+                 "h100", 1002, 250 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("deepseek_v3_te_deepep"),
+                 assumed="8 microbatches of one sequence per step (local batch 8, no accumulation); TE kernels "
+                         "without torch.compile, planned compiled; DeepEP, fake balanced gate; the source's FSDP "
+                         "shards dense weights over the 64 ranks that hold the 64 expert shards, shardfn's ep axis "
+                         "replicates them (fsdp=1)",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (1.23 of 1.92 s a microbatch: 64-way over 8 nodes, "
+                           "recomputed, at 1.28x the mean load on a balanced run); memory: dense weights replicated "
+                           "over ep (69 GiB)"),
+    PublishedRun("NeMo AutoModel DeepSeek-V3 671B, 1024 H100, PP 4 / EP 64 / FSDP 256", "deepseek_v3_671b", [],
+                 Layout(pp=4, fsdp=4, ep=64, microbatches=8, schedule="interleaved_1f1b", virtual=8), 1, 4096,
+                 "full", "h100", 865, 216 / H100_BF16_TFLOPS, None,
+                 AUTOMODEL_PERF.format("deepseek_v3_te_deepep_1024"),
+                 assumed="8 microbatches of one sequence per pass, 4 passes accumulated (one planned); VP 8 as the "
+                         "table states (the recipe's layers_per_stage 4 gives 4); TE kernels planned compiled; DeepEP, "
+                         "fake balanced gate; FSDP over 256 ranks, shardfn's over fsdp=4 and replicated over ep=64",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (1.23 of 1.94 s a microbatch: 64-way over 8 nodes, recomputed, "
+                           "at 1.28x the mean load on a balanced run)"),
+    PublishedRun("NeMo AutoModel Kimi K2 1T, 256 H100, PP 8 / EP 32 / FSDP 32", "kimi_k2_1t", [],
+                 Layout(pp=8, ep=32, microbatches=8, schedule="interleaved_1f1b", virtual=4), 1, 4096, "full",
+                 "h100", 924, 189 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("kimi_k2_te_deepep"),
+                 assumed="8 microbatches of one sequence per pass, 2 passes accumulated (one planned); TE kernels "
+                         "planned compiled; DeepEP, fake balanced gate; the source's FSDP shards dense weights over "
+                         "the 32 ranks that hold the 32 expert shards, shardfn's ep axis replicates them",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (0.52 of 0.82 s a microbatch: 32-way over 4 nodes, "
+                           "recomputed, at 1.28x the mean load on a balanced run); memory: dense weights replicated "
+                           "over ep (35 GiB)"),
+    PublishedRun("NeMo AutoModel Qwen3-30B-A3B, 8 H100, EP 8 / FSDP 8", "qwen3_30b_a3b", [], Layout(ep=8), 4, 4096,
+                 "full", "h100", 12040, 277 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("qwen3_moe_30b_te_deepep"),
+                 assumed="4 sequences per pass, 16 passes accumulated (one planned); TE kernels planned compiled; "
+                         "DeepEP, fake balanced gate; the source's FSDP shards dense weights over the 8 ranks that "
+                         "hold the 8 expert shards, shardfn's ep axis replicates them",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange (0.49 of 1.63 s, 8-way on NVLink) at 1.28x the mean load on a balanced "
+                           "run; memory: dense weights replicated over ep (23 GiB) and 4 sequences' fp32 logits "
+                           "(23 GiB)"),
+    PublishedRun("NeMo AutoModel gpt-oss-20b, 8 H100, EP 8 / FSDP 8", "gpt_oss_20b", [], Layout(ep=8), 2, 4096,
+                 "full", "h100", 13058, 279 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("gptoss_20b_te_deepep"),
+                 assumed="EP 8 as the recipe sets it (ep_size 8, DeepEP; the table's EP column reads -); 2 sequences "
+                         "per pass, 16 passes accumulated (one planned); FlexAttention and TE kernels planned "
+                         "compiled; fake balanced gate; dense weights replicated over ep where the source shards them "
+                         "over FSDP 8",
+                 reshard_after_forward=False,
+                 known_gap="memory: dense weights replicated over ep (27 GiB of state, the 201k-row embedding and head "
+                           "among them) where the source shards them over FSDP 8"),
+    PublishedRun("NeMo AutoModel gpt-oss-120b, 64 H100, EP 64 / FSDP 64, no AC", "gpt_oss_120b", [], Layout(ep=64), 2,
+                 4096, "none", "h100", 7626, 231 / H100_BF16_TFLOPS, None,
+                 AUTOMODEL_PERF.format("gptoss_120b_te_deepep"),
+                 assumed="EP 64 as the recipe sets it (ep_size 64, DeepEP; the table's EP column reads -); no AC "
+                         "(activation_checkpointing false); 2 sequences per pass, 4 passes accumulated (one "
+                         "planned); FlexAttention and TE kernels planned compiled; fake balanced gate; dense weights "
+                         "replicated over ep where the source shards them over FSDP 64",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (0.77 of 1.33 s: 64-way over 8 nodes at 1.28x the mean load on "
+                           "a balanced run); memory: activations without AC (40 GiB), dense weights over ep (32 GiB)"),
 )
 """The runs docs/plan.md's table checks; three of them fitted the run model's three free constants."""
 
