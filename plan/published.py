@@ -21,6 +21,12 @@ TORCHTITAN_PERF = "pytorch/torchtitan docs/performance.md"
 TORCHTITAN_PERF_2024 = "pytorch/torchtitan docs/performance.md (2024 edition, 64 A100)"
 AUTOMODEL_PERF = ("NVIDIA-NeMo/Automodel docs/performance-summary.md @ 8d9bfb90e3d8, Pre-Training Performance, "
                   "DGX-H100 BF16; recipe examples/benchmark/configs/{}.yaml at that commit")
+MEGATRON_BRIDGE_PERF = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, 26.04.01 NeMo Container, "
+                        "Pre-Training, GPT OSS 120B, DGX-H100 BF16 row; recipe "
+                        "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py "
+                        "GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2 @ 17a381f95")
+MOE_MODEL_ZOO_QWEN3 = ("yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @ e8650517d60d, H100 table, "
+                       "first cross-node EP row (Qwen3-235B-A22B, DeepEP, moe_dev f3e6c5)")
 H100_BF16_TFLOPS = 989.0  # the NVIDIA rows' MFU: their model TFLOP/s over this (AutoModel's stated peak)
 
 LLAMA2_13B = ["model.vocab_size=32000", "model.dim=5120", "model.n_layers=40", "model.n_heads=40",
@@ -168,6 +174,27 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  reshard_after_forward=False,
                  known_gap="the EP exchange dominates (0.77 of 1.33 s: 64-way over 8 nodes at 1.28x the mean load on "
                            "a balanced run); memory: activations without AC (40 GiB), dense weights over ep (32 GiB)"),
+    PublishedRun("Megatron-Bridge gpt-oss-120b, 64 H100, PP 4 / EP 8", "gpt_oss_120b", [],
+                 Layout(pp=4, dp=2, ep=8, microbatches=80), 1, 4096, "selective", "h100", 5824,
+                 158 / H100_BF16_TFLOPS, None, MEGATRON_BRIDGE_PERF,
+                 assumed="global batch 1280 as 80 microbatches of one sequence on 16 data ranks (dp=2 x ep=8), one "
+                         "1F1B flush; recompute of the norms and the MoE activation as shardfn's selective (matmul "
+                         "outputs kept); the distributed optimizer's sharded state not modelled; TE kernels planned "
+                         "compiled; forced-balanced routing",
+                 known_gap="planned compute-bound (0.09 of 0.10 s a microbatch, 33% MFU) where the source reports "
+                           "158 TFLOP/s, below AutoModel's 231 on the same model and GPUs; memory: optimizer state "
+                           "unsharded"),
+    PublishedRun("Megatron-Core Qwen3-235B-A22B, 256 H100, PP 8 / EP 32 / attention TP 2", "qwen3_235b_a22b", [],
+                 Layout(pp=8, ep=32, microbatches=64, schedule="interleaved_1f1b", virtual=4), 1, 4096, "selective",
+                 "h100", 2048 * 4096 / 19.7 / 256, 245 / H100_BF16_TFLOPS, None, MOE_MODEL_ZOO_QWEN3,
+                 assumed="tokens/s from the stated 19.7 s step of 2048 x 4096 tokens; MoE parallel folding (attention "
+                         "TP 2 x DP 16, experts EP 32 on the same ranks) planned as ep=32 without tp: the same tokens "
+                         "per GPU per step, in 64 microbatches of a sequence instead of 128 of half one; recompute of "
+                         "norms and activations as selective; the distributed optimizer not modelled; TE kernels "
+                         "planned compiled; DeepEP; routing balance not stated for this row",
+                 known_gap="the EP exchange dominates (0.30 of 0.48 s a microbatch: 32-way over 4 nodes at 1.28x "
+                           "the mean load); memory: whole-sequence activations (74 GiB) where the source's TP 2 holds "
+                           "halves"),
 )
 """The runs docs/plan.md's table checks; three of them fitted the run model's three free constants."""
 
