@@ -19,6 +19,15 @@ GIB = 1 << 30
 
 TORCHTITAN_PERF = "pytorch/torchtitan docs/performance.md"
 TORCHTITAN_PERF_2024 = "pytorch/torchtitan docs/performance.md (2024 edition, 64 A100)"
+AUTOMODEL_PERF = ("NVIDIA-NeMo/Automodel docs/performance-summary.md @ 8d9bfb90e3d8, Pre-Training Performance, "
+                  "DGX-H100 BF16; recipe examples/benchmark/configs/{}.yaml at that commit")
+MEGATRON_BRIDGE_PERF = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md, 26.04.01 NeMo Container, "
+                        "Pre-Training, GPT OSS 120B, DGX-H100 BF16 row; recipe "
+                        "scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py "
+                        "GPT_OSS_120B_PRETRAIN_CONFIG_H100_BF16_V2 @ 17a381f95")
+MOE_MODEL_ZOO_QWEN3 = ("yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md @ e8650517d60d, H100 table, "
+                       "first cross-node EP row (Qwen3-235B-A22B, DeepEP, moe_dev f3e6c5)")
+H100_BF16_TFLOPS = 989.0  # the NVIDIA rows' MFU: their model TFLOP/s over this (AutoModel's stated peak)
 
 LLAMA2_13B = ["model.vocab_size=32000", "model.dim=5120", "model.n_layers=40", "model.n_heads=40",
               "model.n_kv_heads=40", "model.ffn_dim=13824", "model.rope_theta=10000.0"]
@@ -55,6 +64,7 @@ class PublishedRun:
     assumed: str = ""     # what the source does not say and this row assumes
     compile: bool = True  # torch.compile on (sources that do not say are planned compiled)
     known_gap: str = ""   # why the estimate misses this row by more than the target, when it does
+    reshard_after_forward: bool = True  # FSDP gathers the weights again for the backward
     reference: bool = field(default=True)
 
     def load(self):
@@ -105,6 +115,86 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
                  fitted="expert load imbalance (1.28)",
                  assumed="8 microbatches of one sequence per data rank, full AC, datasheet H100; shardfn's layout "
                          "shards dense weights over fsdp=2 where TorchTitan's FSDP spans 64 ranks"),
+    PublishedRun("NeMo AutoModel DeepSeek-V3 671B, 256 H100, PP 4 / EP 64 / FSDP 64", "deepseek_v3_671b", [],
+                 Layout(pp=4, ep=64, microbatches=8, schedule="interleaved_1f1b", virtual=8), 1, 4096, "full",
+                 "h100", 1002, 250 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("deepseek_v3_te_deepep"),
+                 assumed="8 microbatches of one sequence per step (local batch 8, no accumulation); TE kernels "
+                         "without torch.compile, planned compiled; DeepEP, fake balanced gate; the source's FSDP "
+                         "shards dense weights over the 64 ranks that hold the 64 expert shards, shardfn's ep axis "
+                         "replicates them (fsdp=1)",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (1.23 of 1.92 s a microbatch: 64-way over 8 nodes, "
+                           "recomputed, at 1.28x the mean load on a balanced run); memory: dense weights replicated "
+                           "over ep (69 GiB)"),
+    PublishedRun("NeMo AutoModel DeepSeek-V3 671B, 1024 H100, PP 4 / EP 64 / FSDP 256", "deepseek_v3_671b", [],
+                 Layout(pp=4, fsdp=4, ep=64, microbatches=8, schedule="interleaved_1f1b", virtual=8), 1, 4096,
+                 "full", "h100", 865, 216 / H100_BF16_TFLOPS, None,
+                 AUTOMODEL_PERF.format("deepseek_v3_te_deepep_1024"),
+                 assumed="8 microbatches of one sequence per pass, 4 passes accumulated (one planned); VP 8 as the "
+                         "table states (the recipe's layers_per_stage 4 gives 4); TE kernels planned compiled; DeepEP, "
+                         "fake balanced gate; FSDP over 256 ranks, shardfn's over fsdp=4 and replicated over ep=64",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (1.23 of 1.94 s a microbatch: 64-way over 8 nodes, recomputed, "
+                           "at 1.28x the mean load on a balanced run)"),
+    PublishedRun("NeMo AutoModel Kimi K2 1T, 256 H100, PP 8 / EP 32 / FSDP 32", "kimi_k2_1t", [],
+                 Layout(pp=8, ep=32, microbatches=8, schedule="interleaved_1f1b", virtual=4), 1, 4096, "full",
+                 "h100", 924, 189 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("kimi_k2_te_deepep"),
+                 assumed="8 microbatches of one sequence per pass, 2 passes accumulated (one planned); TE kernels "
+                         "planned compiled; DeepEP, fake balanced gate; the source's FSDP shards dense weights over "
+                         "the 32 ranks that hold the 32 expert shards, shardfn's ep axis replicates them",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (0.52 of 0.82 s a microbatch: 32-way over 4 nodes, "
+                           "recomputed, at 1.28x the mean load on a balanced run); memory: dense weights replicated "
+                           "over ep (35 GiB)"),
+    PublishedRun("NeMo AutoModel Qwen3-30B-A3B, 8 H100, EP 8 / FSDP 8", "qwen3_30b_a3b", [], Layout(ep=8), 4, 4096,
+                 "full", "h100", 12040, 277 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("qwen3_moe_30b_te_deepep"),
+                 assumed="4 sequences per pass, 16 passes accumulated (one planned); TE kernels planned compiled; "
+                         "DeepEP, fake balanced gate; the source's FSDP shards dense weights over the 8 ranks that "
+                         "hold the 8 expert shards, shardfn's ep axis replicates them",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange (0.49 of 1.63 s, 8-way on NVLink) at 1.28x the mean load on a balanced "
+                           "run; memory: dense weights replicated over ep (23 GiB) and 4 sequences' fp32 logits "
+                           "(23 GiB)"),
+    PublishedRun("NeMo AutoModel gpt-oss-20b, 8 H100, EP 8 / FSDP 8", "gpt_oss_20b", [], Layout(ep=8), 2, 4096,
+                 "full", "h100", 13058, 279 / H100_BF16_TFLOPS, None, AUTOMODEL_PERF.format("gptoss_20b_te_deepep"),
+                 assumed="EP 8 as the recipe sets it (ep_size 8, DeepEP; the table's EP column reads -); 2 sequences "
+                         "per pass, 16 passes accumulated (one planned); FlexAttention and TE kernels planned "
+                         "compiled; fake balanced gate; dense weights replicated over ep where the source shards them "
+                         "over FSDP 8",
+                 reshard_after_forward=False,
+                 known_gap="memory: dense weights replicated over ep (27 GiB of state, the 201k-row embedding and head "
+                           "among them) where the source shards them over FSDP 8"),
+    PublishedRun("NeMo AutoModel gpt-oss-120b, 64 H100, EP 64 / FSDP 64, no AC", "gpt_oss_120b", [], Layout(ep=64), 2,
+                 4096, "none", "h100", 7626, 231 / H100_BF16_TFLOPS, None,
+                 AUTOMODEL_PERF.format("gptoss_120b_te_deepep"),
+                 assumed="EP 64 as the recipe sets it (ep_size 64, DeepEP; the table's EP column reads -); no AC "
+                         "(activation_checkpointing false); 2 sequences per pass, 4 passes accumulated (one "
+                         "planned); FlexAttention and TE kernels planned compiled; fake balanced gate; dense weights "
+                         "replicated over ep where the source shards them over FSDP 64",
+                 reshard_after_forward=False,
+                 known_gap="the EP exchange dominates (0.77 of 1.33 s: 64-way over 8 nodes at 1.28x the mean load on "
+                           "a balanced run); memory: activations without AC (40 GiB), dense weights over ep (32 GiB)"),
+    PublishedRun("Megatron-Bridge gpt-oss-120b, 64 H100, PP 4 / EP 8", "gpt_oss_120b", [],
+                 Layout(pp=4, dp=2, ep=8, microbatches=80), 1, 4096, "selective", "h100", 5824,
+                 158 / H100_BF16_TFLOPS, None, MEGATRON_BRIDGE_PERF,
+                 assumed="global batch 1280 as 80 microbatches of one sequence on 16 data ranks (dp=2 x ep=8), one "
+                         "1F1B flush; recompute of the norms and the MoE activation as shardfn's selective (matmul "
+                         "outputs kept); the distributed optimizer's sharded state not modelled; TE kernels planned "
+                         "compiled; forced-balanced routing",
+                 known_gap="planned compute-bound (0.09 of 0.10 s a microbatch, 33% MFU) where the source reports "
+                           "158 TFLOP/s, below AutoModel's 231 on the same model and GPUs; memory: optimizer state "
+                           "unsharded"),
+    PublishedRun("Megatron-Core Qwen3-235B-A22B, 256 H100, PP 8 / EP 32 / attention TP 2", "qwen3_235b_a22b", [],
+                 Layout(pp=8, ep=32, microbatches=64, schedule="interleaved_1f1b", virtual=4), 1, 4096, "selective",
+                 "h100", 2048 * 4096 / 19.7 / 256, 245 / H100_BF16_TFLOPS, None, MOE_MODEL_ZOO_QWEN3,
+                 assumed="tokens/s from the stated 19.7 s step of 2048 x 4096 tokens; MoE parallel folding (attention "
+                         "TP 2 x DP 16, experts EP 32 on the same ranks) planned as ep=32 without tp: the same tokens "
+                         "per GPU per step, in 64 microbatches of a sequence instead of 128 of half one; recompute of "
+                         "norms and activations as selective; the distributed optimizer not modelled; TE kernels "
+                         "planned compiled; DeepEP; routing balance not stated for this row",
+                 known_gap="the EP exchange dominates (0.30 of 0.48 s a microbatch: 32-way over 4 nodes at 1.28x "
+                           "the mean load); memory: whole-sequence activations (74 GiB) where the source's TP 2 holds "
+                           "halves"),
 )
 """The runs docs/plan.md's table checks; three of them fitted the run model's three free constants."""
 
@@ -115,7 +205,8 @@ def planned(row: PublishedRun) -> dict:
         planned(PUBLISHED_RUNS[0])["tokens_per_s_per_device"]    # ~6,700
     """
     return run_estimate(row.load(), row.layout, hardware=row.hardware,
-                        spec=RunSpec(remat=row.remat, rows=row.rows, compile=row.compile))
+                        spec=RunSpec(remat=row.remat, rows=row.rows, compile=row.compile,
+                                     reshard_after_forward=row.reshard_after_forward))
 
 
 def table_rows() -> list[dict]:
@@ -138,5 +229,5 @@ if __name__ == "__main__":
     for r in table_rows():
         mem = f"{r['planned_memory_gib']:.1f}/{r['memory_gib']} ({r['memory_ratio']:.2f})" if r["memory_gib"] else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
-        print(f"{r['name']:<62} {r['planned_tokens_per_s']:>8,.0f} / {r['tokens_per_s']:>6,} "
+        print(f"{r['name']:<70} {r['planned_tokens_per_s']:>8,.0f} / {r['tokens_per_s']:>6,.0f} "
               f"({r['tokens_ratio']:.2f})  mfu {r['planned_mfu']:.1%} / {mfu}  mem {mem}")
