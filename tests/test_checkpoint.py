@@ -442,7 +442,7 @@ def _pipeline_resume_worker(config, mesh, d):
 
 @pytest.mark.parametrize("config,mesh,nproc", [
     ("llama_tiny", ["mesh.pp=2"], 2),
-    ("moe_tiny", ["mesh.pp=2", "mesh.ep=2"], 4),
+    pytest.param("moe_tiny", ["mesh.pp=2", "mesh.ep=2"], 4, marks=pytest.mark.slow),
     pytest.param("moe_tiny", ["mesh.pp=2", "mesh.fsdp=2", "mesh.ep=2", "train.batch_size=8"], 8,
                  marks=pytest.mark.slow),  # 2 microbatches of a row per data rank
 ], ids=["pp2", "pp2xep2", "pp2xfsdp2xep2"])

@@ -15,6 +15,7 @@ LAYOUTS = {
     "dp2xep2": (["mesh.dp=2", "mesh.ep=2"], 4),
     "fsdp2xep2": (["mesh.fsdp=2", "mesh.ep=2"], 4),
 }
+SLOW = ("ep4", "dp2xep2")  # four ranks each; ep2 and fsdp2 x ep2 stay in the default suite
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def ref():
     return reference(MOE)
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_expert_parallel_layout_matches_one_device(name, ref):
     overrides, nproc = LAYOUTS[name]
     out = run_layout(overrides, nproc, MOE)

@@ -28,7 +28,8 @@ def ref():
     return reference()
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "fsdp2xtp2" else n
+                                  for n in LAYOUTS])
 def test_layout_matches_one_device(name, ref):
     overrides, nproc, local_wq = LAYOUTS[name]
     out = spawn(layout_worker, nproc, args=(overrides,), timeout_s=600)

@@ -73,6 +73,7 @@ def pp2_ep2_runs(ref):
     return check_parity(ref, ["mesh.pp=2", "mesh.ep=2", "pipeline.microbatches=4"], 4, SCHEDULES)
 
 
+@pytest.mark.slow  # every schedule; the train command's pp2 x ep2 run below holds the default one in the default suite
 def test_pp2_ep2_matches_one_device(pp2_ep2_runs):
     per_rank = pp2_ep2_runs
     held = [shape for r in per_rank for shape in r["1f1b"]["held"].values()]
@@ -88,6 +89,7 @@ def test_pp2_ep2_matches_one_device(pp2_ep2_runs):
         assert (parts[(s, "I")], parts[(s, "W")]) == ((backward, []) if s else ([], backward))
 
 
+@pytest.mark.slow
 def test_pp2_ep2_dualpipev_pairs_compute_while_the_other_members_all_to_all_is_in_flight(pp2_ep2_runs):
     """DualPipeV's overlapped pairs (an F and the other chunk's B) take turns at their MoE
     exchange waits: the B starts once the F has issued its first all-to-all and is waiting on
@@ -115,6 +117,7 @@ def test_pp2_ep2_dualpipev_pairs_compute_while_the_other_members_all_to_all_is_i
     assert waits.count("EXCHANGE_F2@s1") == 3 and waits.count("EXCHANGE_B0@s2") == 2
 
 
+@pytest.mark.slow
 def test_pp2_dp2_moe_matches_one_device(ref):
     """Without ep every stage holds whole experts (grouped GEMMs in its programs); the router bias
     is balanced from the counts of both dp replicas."""

@@ -36,6 +36,7 @@ def test_with_policy_computes_in_bf16_and_returns_fp32_gradients():
         get_policy("fp16")
 
 
+@pytest.mark.slow  # two whole default runs; test_master_weights_... holds bf16 to fp32 in the default suite
 def test_bf16_default_run_ends_within_3_percent_of_fp32():
     final = {p: train(load_config(None, [f"train.precision={p}"]), log=lambda line: None).history[-1]["loss"]
              for p in ("fp32", "bf16")}

@@ -67,6 +67,7 @@ def _fsdp_worker(runs):
     return out
 
 
+@pytest.mark.slow  # the one-device and CLI tests hold remat bitwise in the default suite
 def test_remat_is_bitwise_none_on_fsdp2():
     from shardfn.runtime.launch import spawn
 
