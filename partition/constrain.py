@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardfn.core.custom_ops import register_autograd  # noqa: F401  (sf.register_autograd)
+from shardfn.core.custom_ops import register_autograd
 from shardfn.partition.spec import P
 
 _state = threading.local()
@@ -56,21 +56,16 @@ def _(x, spec):
     return torch.empty_like(x)
 
 
-class _Constrain(torch.autograd.Function):
-    """The op with its backward (the same constraint on the cotangent), in the form torch.func
-    transforms accept (a custom op's generated autograd has no setup_context for them)."""
+def _constrain_setup(ctx, inputs, output):
+    ctx.spec = inputs[1]
 
-    @staticmethod
-    def forward(x, spec):
-        return torch.ops.shardfn.constrain(x, spec)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.spec = inputs[1]
+def _constrain_backward(ctx, grad):
+    return _constrain_fn(grad, ctx.spec), None  # the same constraint on the cotangent
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _Constrain.apply(grad, ctx.spec), None
+
+_constrain_fn = register_autograd(_constrain, _constrain_backward, setup_context=_constrain_setup)
+"""The op with its backward, in the form torch.func transforms accept."""
 
 
 def constrain(x: Any, spec: Any) -> Any:
@@ -91,7 +86,7 @@ def constrain(x: Any, spec: Any) -> Any:
         return x
     leaves, treedef = optree.tree_flatten(x, none_is_leaf=False)
     specs = broadcast_specs(spec, x, what="constrain spec")
-    out = [_Constrain.apply(leaf, encode_spec(s)) for leaf, s in zip(leaves, specs)]
+    out = [_constrain_fn(leaf, encode_spec(s)) for leaf, s in zip(leaves, specs)]
     return optree.tree_unflatten(treedef, out)
 
 
@@ -105,18 +100,11 @@ def _(x):
     return torch.empty_like(x)
 
 
-class _PipelineSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(x):
-        return torch.ops.shardfn.pipeline_split(x)
+def _pipeline_split_backward(ctx, grad):
+    return _pipeline_split_fn(grad)  # a boundary for the cotangent too
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _PipelineSplit.apply(grad)
+_pipeline_split_fn = register_autograd(_pipeline_split, _pipeline_split_backward)
 
 
 def pipeline_split(x: torch.Tensor) -> torch.Tensor:
@@ -124,4 +112,4 @@ def pipeline_split(x: torch.Tensor) -> torch.Tensor:
 
         h = pipeline_split(h)
     """
-    return _PipelineSplit.apply(x) if tracing() else x
+    return _pipeline_split_fn(x) if tracing() else x

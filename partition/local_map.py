@@ -20,6 +20,7 @@ from typing import Any, Callable, List, Protocol
 import optree
 import torch
 
+from shardfn.core.custom_ops import register_autograd
 from shardfn.core.registry import Registry
 from shardfn.core.transforms import autograd_vjp
 from shardfn.partition.constrain import tracing
@@ -181,30 +182,28 @@ def _(xs, outs, gs, rid):
     return [torch.empty_like(x) for x in xs]
 
 
-class _RegionFn(torch.autograd.Function):
-    @staticmethod
-    def forward(rid, *xs):
-        return tuple(torch.ops.shardfn.local_region(list(xs), rid))
+def _region_setup(ctx, inputs, output):
+    xs, rid = inputs
+    ctx.rid = rid
+    ctx.n_in = len(xs)
+    ctx.save_for_backward(*xs, *output)
+    ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.rid = inputs[0]
-        ctx.n_in = len(inputs) - 1
-        ctx.save_for_backward(*inputs[1:], *output)
-        ctx.mark_non_differentiable(*[o for o in output if not o.is_floating_point()])
 
-    @staticmethod
-    def backward(ctx, *gs):
-        saved = ctx.saved_tensors
-        xs, outs = saved[: ctx.n_in], saved[ctx.n_in :]
-        out_meta = region(ctx.rid).out_meta or []
-        gs = [
-            g if g is not None else torch.zeros(_out_shape(ctx.rid, i, xs), dtype=out_meta[i][1])
-            for i, g in enumerate(gs)
-        ]
-        with torch.no_grad():
-            grads = torch.ops.shardfn.local_region_backward(list(xs), list(outs), list(gs), ctx.rid)
-        return (None, *[g if x.is_floating_point() else None for g, x in zip(grads, xs)])
+def _region_backward(ctx, gs):
+    saved = ctx.saved_tensors
+    xs, outs = saved[: ctx.n_in], saved[ctx.n_in :]
+    out_meta = region(ctx.rid).out_meta or []
+    gs = [
+        g if g is not None else torch.zeros(_out_shape(ctx.rid, i, xs), dtype=out_meta[i][1])
+        for i, g in enumerate(gs)
+    ]
+    with torch.no_grad():
+        grads = torch.ops.shardfn.local_region_backward(list(xs), list(outs), list(gs), ctx.rid)
+    return [g if x.is_floating_point() else None for g, x in zip(grads, xs)], None
+
+
+_local_region_fn = register_autograd(_local_region, _region_backward, setup_context=_region_setup)
 
 
 def call_region(xs: list, rid: int) -> list:
@@ -213,7 +212,7 @@ def call_region(xs: list, rid: int) -> list:
 
         outs = call_region([x, w], rid)
     """
-    return list(_RegionFn.apply(rid, *xs))
+    return _local_region_fn(list(xs), rid)
 
 
 def _out_shape(rid: int, i: int, xs) -> list[int]:
@@ -260,7 +259,7 @@ def local_map(fn: Callable, in_specs: Any, out_specs: Any, *, bwd: Callable | No
         found = getattr(_state, "regions", None)
         if found is not None and reg not in found:
             found.append(reg)
-        outs = _RegionFn.apply(rid, *leaves)
+        outs = _local_region_fn(leaves, rid)
         return optree.tree_unflatten(reg.out_treedef, list(outs))
 
     wrapped.region = reg

@@ -204,20 +204,33 @@ def state_bytes(state: Any, params: Any, local_bytes: Callable[[str, int], int])
     return total
 
 
-_META_STATES: dict = {}
-
-
-def _meta_state(cfg, model, dtype: torch.dtype):
+def _meta_state(cfg, dtype: torch.dtype):
     """The meta parameters and the optimizer state ``init`` makes of them: the same for every
     layout of a config, so kept for the last few configs (a search asks for each mesh)."""
-    model = models.get(model)
-    key = (cfg.model_name, repr(cfg.model), repr(cfg.train), dtype)
-    if key not in _META_STATES:
-        if len(_META_STATES) >= 4:
-            _META_STATES.pop(next(iter(_META_STATES)))
-        params = meta_params(model, cfg.model, dtype)
-        _META_STATES[key] = (params, make_optimizer(cfg.train, model).init(params))
-    return _META_STATES[key]
+    return _meta_state_for(cfg.model_name, _ByRepr(cfg.model), _ByRepr(cfg.train), dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_state_for(model_name: str, model_cfg: _ByRepr, train_cfg: _ByRepr, dtype: torch.dtype):
+    model = models.get(model_name)
+    params = meta_params(model, model_cfg.value, dtype)
+    return params, make_optimizer(train_cfg.value, model).init(params)
+
+
+class _ByRepr:
+    """A config as a cache key: equal to another when their reprs are (a ``TrainConfig`` is not
+    hashable)."""
+
+    __slots__ = ("value", "key")
+
+    def __init__(self, value):
+        self.value, self.key = value, repr(value)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _ByRepr) and other.key == self.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
 
 def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> list[dict]:
@@ -235,7 +248,7 @@ def memory_bytes(cfg, layout: Layout, *, dtype: torch.dtype = torch.float32) -> 
     leaves = mesh_leaves(model, cfg.model, layout.axes(), cfg.rules, dtype)
     by_path = {leaf.path: leaf for leaf in leaves}
     tied = model.ties_embeddings(cfg.model)
-    params, state = _meta_state(cfg, model, dtype)
+    params, state = _meta_state(cfg, dtype)
     out = []
     for share in rank_shares(model, cfg, layout, dtype):
         p = sum(local_numel(leaf, share, tied) * leaf.itemsize for leaf in leaves)

@@ -25,6 +25,7 @@ are no streams and nothing changes.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,8 +35,6 @@ from typing import Any, Callable
 import torch
 
 _seat = threading.local()    # (turns, member) while a member of a pair runs on this thread
-_second: ThreadPoolExecutor | None = None
-_streams: dict[int, Any] = {}  # device index -> the second member's CUDA stream
 
 
 class _Turns:
@@ -86,10 +85,20 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
 
         side_stream(torch.device("cuda", 0))
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _streams:
-        _streams[index] = torch.cuda.Stream(device=index)
-    return _streams[index]
+    return _stream_on(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _stream_on(index: int) -> "torch.cuda.Stream":
+    """The second member's stream on CUDA device ``index``, made once."""
+    return torch.cuda.Stream(device=index)
+
+
+@functools.cache
+def _second_thread() -> ThreadPoolExecutor:
+    """The one worker thread a pair's second member runs on, made on first use and reused by
+    every pair."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfn-pair")
 
 
 def _on_stream(stream) -> Any:
@@ -138,9 +147,6 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], *,
         log = run_pair(lambda: print("F"), lambda: print("B"))   # F, then B
         log = run_pair(f, b, device=torch.device("cuda", 0), keep=list(envs.values()))
     """
-    global _second
-    if _second is None:
-        _second = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardfn-pair")
     device = torch.device(device) if device is not None else None
     stream = main = None
     if device is not None and device.type == "cuda":
@@ -149,7 +155,7 @@ def run_pair(first: Callable[[], None], second: Callable[[], None], *,
         stream.wait_stream(main)      # join at the start: the second reads what the first's stream made
     turns = _Turns()
     grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
-    other = _second.submit(_member, turns, 1, second, grad, threads, stream)
+    other = _second_thread().submit(_member, turns, 1, second, grad, threads, stream)
     errors = [_member(turns, 0, first, grad), other.result()]
     if stream is not None:
         main.wait_stream(stream)      # join at the end: what follows reads the second's results

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from shardfn import models
+from shardfn.core.custom_ops import register_autograd
 from shardfn.core.registry import Registry
 
 
@@ -112,20 +113,11 @@ def _(indices, weights, layer, n_experts, recorder):
     return torch.empty_like(weights)
 
 
-class _CountExperts(torch.autograd.Function):
-    """The counting op as an identity on the routing weights (its cotangent passes through)."""
+def _count_experts_backward(ctx, grad):
+    return None, grad, None, None, None  # the identity on the routing weights
 
-    @staticmethod
-    def forward(indices, weights, layer, n_experts, recorder):
-        return torch.ops.shardfn.count_experts(indices, weights, layer, n_experts, recorder)
 
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, grad, None, None, None
+_count_experts_fn = register_autograd(_count_experts, _count_experts_backward)
 
 
 def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_experts: int,
@@ -136,7 +128,7 @@ def count_experts(indices: torch.Tensor, weights: torch.Tensor, layer: int, n_ex
 
         weights = count_experts(r.indices, r.weights, 0, 8, recorder.id)
     """
-    return _CountExperts.apply(indices, weights, layer, n_experts, recorder)
+    return _count_experts_fn(indices, weights, layer, n_experts, recorder)
 
 
 def _register() -> None:

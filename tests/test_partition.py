@@ -1,5 +1,7 @@
 """Partitioner on small functions: specs, errors, parity and exact collective bytes on gloo."""
 
+from typing import List
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -443,6 +445,54 @@ def test_custom_op_under_value_and_grad_and_sf_jit(fake_mesh):
     assert "shardfn_test.scaled_tanh.default(mm, 2.0) [4, 8] : dp:S(0)" in lowered.as_text()
     # the loss and the weight's gradient, partial sums over dp: one all-reduce each
     assert lowered.comm_report() == [{"op": "all_reduce", "axis": "dp", "bytes": 4 + 8 * 8 * 4, "count": 2}]
+
+
+@torch.library.custom_op("shardfn_test::scale_and_product", mutates_args=())
+def _scale_and_product(xs: List[torch.Tensor], scale: float) -> List[torch.Tensor]:
+    a, b = xs
+    return [a * scale, a * b]
+
+
+@_scale_and_product.register_fake
+def _(xs, scale):
+    return [torch.empty_like(xs[0]), torch.empty_like(xs[0])]
+
+
+def _scale_and_product_setup(ctx, inputs, output):
+    xs, scale = inputs
+    assert isinstance(xs, list) and isinstance(output, list)  # the op's own arguments and result
+    ctx.save_for_backward(*xs)
+    ctx.scale = scale
+
+
+def _scale_and_product_backward(ctx, grads):
+    a, b = ctx.saved_tensors
+    ga, gab = grads
+    assert ctx.needs_input_grad[0] == [True, True] and not ctx.needs_input_grad[1]
+    return [ga * ctx.scale + gab * b, gab * a], None
+
+
+scale_and_product = sf.register_autograd(_scale_and_product, _scale_and_product_backward,
+                                         setup_context=_scale_and_product_setup)
+
+
+def test_register_autograd_takes_and_returns_lists_of_tensors():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, generator=g), torch.randn(3, generator=g)
+
+    def loss(a, b, f):
+        s, p = f([a, b], 3.0)
+        return (s * s).sum() + (p * p).sum()
+
+    expected = torch.func.grad(loss, argnums=(0, 1))(a, b, lambda xs, scale: [xs[0] * scale, xs[0] * xs[1]])
+    out = scale_and_product([a, b], 3.0)
+    assert isinstance(out, list) and len(out) == 2
+    got = torch.func.grad(loss, argnums=(0, 1))(a, b, scale_and_product)                  # torch.func
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    plain = torch.autograd.grad(loss(ar, br, torch.ops.shardfn_test.scale_and_product), (ar, br))  # the op's own
+    for x, y, z in zip(got, plain, expected):
+        torch.testing.assert_close(x, z)
+        torch.testing.assert_close(y, z)
 
 
 # ------------------------------------------------------------------ LayerNorm's bias, unnamed reports, announcements

@@ -31,6 +31,8 @@ holds the rest:
   layers' profiler labels ask.
 - The dispatcher's thread-local key sets (:func:`autograd_inside_custom_op`): autograd turned
   back on inside a custom op's body, which the dispatcher runs below autograd.
+- A ``torch.library.custom_op``'s schema (:func:`returns_tensor_list`): whether it returns a
+  list of tensors, which ``core.custom_ops.register_autograd`` hands back as a list.
 """
 
 from __future__ import annotations
@@ -364,6 +366,12 @@ def autograd_inside_custom_op():
     exclude = exclude.remove(keys.AutogradFunctionality).remove(keys.AutogradOther)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         yield
+
+
+def returns_tensor_list(op) -> bool:
+    """Whether the ``torch.library.custom_op`` ``op`` returns ``Tensor[]`` (a list of tensors)."""
+    returns = op._opoverload._schema.returns
+    return len(returns) == 1 and isinstance(returns[0].type, torch._C.ListType)
 
 
 def profiler_enabled() -> bool:

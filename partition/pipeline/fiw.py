@@ -65,10 +65,11 @@ class TensorSpec:
 def register_differentiable(op: Any, fn: Callable) -> None:
     """Make stage programs call ``fn`` where the traced loss called the custom op ``op``.
 
-    A custom op's own autograd (``register_autograd``) does not run under ``torch.func``
+    A custom op's own autograd (``op.register_autograd``) does not run under ``torch.func``
     transforms, and :func:`trace_joint` differentiates each stage with ``torch.func.vjp``. ``fn``
     takes the op's arguments and returns its result through a ``torch.autograd.Function`` with
-    ``setup_context``, so the joint records the op forward and its backward op as opaque calls.
+    ``setup_context`` (what ``core.custom_ops.register_autograd`` returns), so the joint records
+    the op forward and its backward op as opaque calls.
 
         register_differentiable(torch.ops.shardfn.grouped_mm.default, grouped_mm)
     """

@@ -88,7 +88,7 @@ _registered = False
 def register_rules() -> dict:
     """Sharding rules for ``shardfn::positional_attention`` and its backward (idempotent).
     Returns ``{op: {output index: input index}}``: the backward's dK and dV partial sums are
-    reduced onto K's and V's placements at once (``partition.spmd.op_rules.REDUCE_LIKE_INPUT``).
+    reduced onto K's and V's placements at once (what ``partition.spmd.op_rules.register_all`` returns).
 
     Per mesh dim: all replicated; split over the batch (dim 0); split over heads (dim 1, the
     positions replicated); split over the sequence (queries and their positions split, keys,

@@ -20,23 +20,22 @@ aten = torch.ops.aten
 
 _registered = False
 
-REDUCE_LIKE_INPUT: dict = {}
-"""op -> {output index: input index}: a partial-sum output is reduced at once onto that input's
-placements (a reduce-scatter where the input is sharded), so a gradient comes back laid out as
-its value was; filled by the modules that register such ops (``partition.spmd.context_rules``)."""
 
+def register_all() -> dict:
+    """Register every rule once (idempotent). Returns ``{op: {output index: input index}}``: a
+    partial-sum output of ``op`` is reduced at once onto that input's placements (a
+    reduce-scatter where the input is sharded), so a gradient comes back laid out as its value
+    was (``partition.spmd.context_rules.register_rules``)."""
+    from shardfn.partition.spmd.context_rules import register_rules
 
-def register_all() -> None:
-    """Register every rule once (idempotent)."""
     global _registered
     if _registered:
-        return
+        return register_rules()
     _registered = True
 
     import shardfn.core.grouped_mm  # noqa: F401  (registers shardfn::grouped_mm)
-    from shardfn.partition.spmd.context_rules import register_rules
 
-    REDUCE_LIKE_INPUT.update(register_rules())  # context parallelism: attention over a sequence split on cp
+    reduce_like_input = register_rules()  # context parallelism: attention over a sequence split on cp
 
     @register_sharding(torch.ops.shardfn.grouped_mm.default)
     def _grouped_mm(x, w, offs):
@@ -55,3 +54,5 @@ def register_all() -> None:
         for d in (0, 1):
             rules.append(([Shard(d)] * 3, [Shard(d)] * 6 + [None, None]))
         return rules
+
+    return reduce_like_input

@@ -112,7 +112,7 @@ class ShardingInterpreter(torch.fx.Interpreter):
         super().__init__(gm)
         self.reuse_gathers = reuse_gathers
         self.gathered: dict[torch.fx.Node, DTensor] = {}  # stored value -> its gathered copy (reuse_gathers)
-        rules.register_all()
+        self.reduce_like_input = rules.register_all()  # op -> {output index: input index}
         self.mesh = mesh
         self.dmesh = mesh.device_mesh
         self.names = mesh.dims  # mesh-dim index -> axis name
@@ -170,9 +170,10 @@ class ShardingInterpreter(torch.fx.Interpreter):
                 with private.vocab_parallel_loss():
                     return target(*args, **kwargs)
             out = target(*args, **kwargs)
-            if target in rules.REDUCE_LIKE_INPUT:  # partial sums reduced onto an input's layout
-                out = type(out)(o.redistribute(self.dmesh, args[rules.REDUCE_LIKE_INPUT[target][i]].placements)
-                                if i in rules.REDUCE_LIKE_INPUT[target] and _has_partial(o) else o
+            onto = self.reduce_like_input.get(target)
+            if onto is not None:  # partial sums reduced onto an input's layout
+                out = type(out)(o.redistribute(self.dmesh, args[onto[i]].placements)
+                                if i in onto and _has_partial(o) else o
                                 for i, o in enumerate(out))
             return out
         except NotImplementedError as e:
