@@ -129,10 +129,12 @@ def test_pp2_every_schedule():
     check_parity({"pp": 2}, SCHEDULES, m=4, use_mesh=False)
 
 
+@pytest.mark.slow  # pp2 (every schedule) and the layouts of test_pipeline_layouts run in the default suite
 def test_pp4_every_schedule():
     check_parity({"pp": 4}, SCHEDULES, m=8)
 
 
+@pytest.mark.slow
 def test_pp2_dp2_every_schedule():
     check_parity({"pp": 2, "dp": 2}, SCHEDULES, m=4)
 

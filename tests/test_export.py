@@ -120,6 +120,7 @@ def _pipeline_rank(overrides):
     train(load_config("llama_tiny", overrides), log=lambda _: None)
 
 
+@pytest.mark.slow  # the fsdp2 export test holds the sharded-checkpoint export in the default suite
 def test_pipeline_checkpoint_exports_bitwise(tmp_path):
     d = tmp_path / "ckpt"
     overrides = [*SMALL, "model.n_layers=2", "mesh.pp=2", "pipeline.schedule=1f1b", "pipeline.microbatches=2",

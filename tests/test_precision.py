@@ -131,16 +131,33 @@ LAYOUTS = [("llama_tiny", ["mesh.fsdp=2", "train.precision=bf16"]),
 LAYOUT_STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def ranks():
+DEFAULT_PLANS = {("llama_tiny", "fp32", "none"), ("llama_tiny", "bf16", "selective"), ("moe_tiny", "bf16", "full")}
+"""The precision and remat combinations the default suite holds the plan to; the other nine are slow."""
+
+
+def _plan_runs(default: bool) -> list:
+    return [(c, ["mesh.fsdp=2", f"train.precision={p}", f"train.remat={r}"])
+            for c in ("llama_tiny", "moe_tiny") for p, r in COMBOS if ((c, p, r) in DEFAULT_PLANS) == default]
+
+
+def _on_two_ranks(runs, layouts=0):
+    """Every ``(config, overrides)`` of ``runs`` in one 2-rank spawn: the first ``layouts`` for
+    ``LAYOUT_STEPS`` steps, the others 2."""
     from shardfn.runtime.launch import spawn
 
-    plans = [(c, ["mesh.fsdp=2", f"train.precision={p}", f"train.remat={r}"])
-             for c in ("llama_tiny", "moe_tiny") for p, r in COMBOS]
-    runs = LAYOUTS + plans
-    per_rank = spawn(_ranks_worker, 2, args=([(c, o, LAYOUT_STEPS if i < len(LAYOUTS) else 2)
+    per_rank = spawn(_ranks_worker, 2, args=([(c, o, LAYOUT_STEPS if i < layouts else 2)
                                                for i, (c, o) in enumerate(runs)],), timeout_s=900)
     return {(c, *o): [rank[i] for rank in per_rank] for i, (c, o) in enumerate(runs)}
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return _on_two_ranks(LAYOUTS + _plan_runs(default=True), layouts=len(LAYOUTS))
+
+
+@pytest.fixture(scope="module")
+def slow_ranks():
+    return _on_two_ranks(_plan_runs(default=False))
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["fsdp2", "pp2", "moe-ep2"])
@@ -154,9 +171,11 @@ def test_bf16_trains_on_every_layout_with_fp32_state(ranks, index):
         torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(want), rtol=1e-3, atol=0)
 
 
-@pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
-@pytest.mark.parametrize("precision,remat", COMBOS)
-def test_the_plan_is_the_run_for_every_precision_and_remat(ranks, config, precision, remat, clean_process_group):
+@pytest.mark.parametrize("config, precision, remat", [
+    (c, p, r) if (c, p, r) in DEFAULT_PLANS else pytest.param(c, p, r, marks=pytest.mark.slow)
+    for c in ("llama_tiny", "moe_tiny") for p, r in COMBOS])
+def test_the_plan_is_the_run_for_every_precision_and_remat(request, config, precision, remat, clean_process_group):
+    ranks = request.getfixturevalue("ranks" if (config, precision, remat) in DEFAULT_PLANS else "slow_ranks")
     overrides = ["mesh.fsdp=2", f"train.precision={precision}", f"train.remat={remat}"]
     plan = pl.make_plan(load_config(config, [*BASE, *overrides]))
     assert (plan.precision, plan.remat) == (precision, remat)
