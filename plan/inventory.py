@@ -211,10 +211,10 @@ def _meta_state(cfg, dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=4)
-def _meta_state_for(model_name: str, model_cfg: _ByRepr, train_cfg: _ByRepr, dtype: torch.dtype):
+def _meta_state_for(model_name: str, model_key: _ByRepr, train_key: _ByRepr, dtype: torch.dtype):
     model = models.get(model_name)
-    params = meta_params(model, model_cfg.value, dtype)
-    return params, make_optimizer(train_cfg.value, model).init(params)
+    params = meta_params(model, model_key.value, dtype)
+    return params, make_optimizer(train_key.value, model).init(params)
 
 
 class _ByRepr:
