@@ -368,6 +368,7 @@ def _reshard_load_worker(config, overrides, path):
             "losses": [r["loss"] for r in resumed.history]}
 
 
+@pytest.mark.slow  # the one-device killed-save tests and the mesh resume tests stay in the default suite
 def test_killed_save_keeps_the_previous_one_and_resume_is_exact_on_a_mesh(tmp_path):
     # A 2N-step run (N=2) on fsdp=2 whose rank 1 is SIGKILLed inside the save after step 2N (its
     # shard written, the others not); then N + resume + N in fresh processes.

@@ -28,7 +28,7 @@ def ref():
     return reference()
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "fsdp2xtp2" else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dp2xtp2", "fsdp2xtp2") else n
                                   for n in LAYOUTS])
 def test_layout_matches_one_device(name, ref):
     overrides, nproc, local_wq = LAYOUTS[name]

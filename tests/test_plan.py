@@ -195,6 +195,7 @@ def test_cli_refusal_exits_2_naming_the_axis(override, key, words, capsys):
 # ------------------------------------------------------------------ traced quantities
 
 
+@pytest.mark.slow
 def test_scaled_trace_equals_whole_model_trace(clean_process_group):
     """One and two traced layers, scaled to four, give the four-layer trace's numbers exactly."""
     cfg = load_config("llama_tiny", ["model.n_layers=4", "mesh.dp=2", "mesh.tp=2", "train.batch_size=8",
@@ -343,8 +344,9 @@ def test_memory_floor_never_exceeds_the_estimate():
 # ------------------------------------------------------------------ plan vs a real run on gloo ranks
 
 
-@pytest.mark.parametrize("mesh", [["mesh.dp=2", "mesh.ep=2"], ["mesh.fsdp=2", "mesh.ep=2"]],
-                         ids=["dp2xep2", "fsdp2xep2"])
+@pytest.mark.parametrize("mesh", [pytest.param(["mesh.dp=2", "mesh.ep=2"], marks=pytest.mark.slow),
+                                  ["mesh.fsdp=2", "mesh.ep=2"]],
+                         ids=["dp2xep2", "fsdp2xep2"])  # each shares its run with test_moe_layouts' (slow for dp2xep2)
 def test_plan_agrees_with_a_real_run(mesh, clean_process_group):
     from parity import BASE, run_layout
 
@@ -394,6 +396,7 @@ def test_moe_on_one_device_plans(clean_process_group):
     assert plan.layout.world_size == 1 and plan.per_rank["params_bytes"] > 0 and not plan.comm
 
 
+@pytest.mark.slow
 def test_shared_propagation_lowers_the_same_program(clean_process_group):
     # DTensor's answers kept between lowerings change when they are computed, not what they are:
     # the same per-rank program, collective for collective, on a 3-axis mesh with strided shards

@@ -93,6 +93,7 @@ def _activations(config, remat_policy, mesh=("mesh.fsdp=2",)):
     return lower_step(cfg).memory_report()["activations"]
 
 
+@pytest.mark.slow  # test_one_device_program_holds_less_with_each_policy holds it in the default suite
 def test_memory_report_activations_fall_with_the_policy(clean_process_group):
     # peak bytes of the values one fsdp2 rank's step program makes (8 x 128 tokens, fp32);
     # full keeps only each layer's input across the forward, selective also its matmul outputs

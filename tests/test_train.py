@@ -141,7 +141,7 @@ def test_moe_step_balances_router_bias_outside_the_optimizer():
     assert {"loss", "grad_norm", "lr", "ce_loss", "balance_loss"} <= set(metrics)
 
 
-@pytest.mark.parametrize("config", ["llama_tiny", "moe_tiny"])
+@pytest.mark.parametrize("config", ["llama_tiny", pytest.param("moe_tiny", marks=pytest.mark.slow)])
 def test_step_is_one_dynamo_graph(config):
     # A graph break would split the step (e.g. backward and optimizer) into separately compiled pieces.
     cfg, model, params, opt, batch = _setup(config=config)
