@@ -584,21 +584,21 @@ def _adamw_fused(lr: ScalarOrSchedule, b1: float, b2: float, eps: float, weight_
         step_lr = _lr_at(lr, lr_state.count)
         dtype = p_k[0].dtype
         decay = (1.0 - step_lr * weight_decay).to(dtype)
-        if donate:  # the caller's memory: torch.optim's in-place kernels, the same values
-            torch._foreach_lerp_(mu_k, g_k, 1.0 - b1)                             # m <- b1 m + (1 - b1) g
+        # m <- b1 m + (1 - b1) g, the first factor of v and the decoupled decay; donated, in the
+        # caller's memory with torch.optim's in-place kernels (the same values)
+        if donate:
+            torch._foreach_lerp_(mu_k, g_k, 1.0 - b1)
             torch._foreach_mul_(nu_k, b2)
+            torch._foreach_mul_(p_k, decay)
+            new_p = p_k
         else:
             mu_k = torch._foreach_lerp(mu_k, g_k, 1.0 - b1)
             nu_k = torch._foreach_mul(nu_k, b2)
+            new_p = torch._foreach_mul(p_k, decay)
         torch._foreach_addcmul_(nu_k, g_k, g_k, value=1.0 - b2)                  # v <- b2 v + (1 - b2) g^2
         denom = torch._foreach_sqrt(nu_k)
         torch._foreach_div_(denom, torch.sqrt(_one_minus_pow(b2, count)).to(dtype))
         torch._foreach_add_(denom, eps)                                           # sqrt(v) / sqrt(1 - b2^t) + eps
-        if donate:
-            torch._foreach_mul_(p_k, decay)                                       # decoupled decay
-            new_p = p_k
-        else:
-            new_p = torch._foreach_mul(p_k, decay)
         step = (-step_lr / _one_minus_pow(b1, count)).to(dtype)
         # - lr / (1 - b1^t) * m / denom; the kernel reads its scalars on the host, as torch.optim's
         # non-capturable AdamW computes them there (on a GPU, one copy of a 0-d tensor a step)
